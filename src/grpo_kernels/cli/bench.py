@@ -1,0 +1,135 @@
+"""``grpo-kernels bench``: time and memory of value_and_grad for each implementation, one process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from typing import Any
+
+import jax
+
+from grpo_kernels.cli import common
+from grpo_kernels.ops.logits_loss import IMPLEMENTATIONS, grpo_loss
+from grpo_kernels.ops.logits_loss.inputs import parse_dtype, random_inputs
+
+_MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                  "alias_size_in_bytes", "generated_code_size_in_bytes")
+
+
+def _impl_list(text: str) -> list[str]:
+    impls = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [i for i in impls if i not in IMPLEMENTATIONS]
+    if not impls or bad:
+        raise ValueError(f"--impl must be a comma list of {sorted(IMPLEMENTATIONS)}, got {text!r}")
+    if "reference" not in impls:
+        impls.insert(0, "reference")  # ratios are always to the reference of the same run
+    return list(dict.fromkeys(impls))
+
+
+def machine_description() -> dict[str, Any]:
+    dev = jax.devices()[0]
+    return {"backend": jax.default_backend(), "device": dev.device_kind,
+            "device_count": jax.device_count(), "jax": jax.__version__,
+            "cpu": platform.processor() or platform.machine(), "python": platform.python_version()}
+
+
+def measure(impl: str, inp, config, iters: int, warmup: int, show_progress: bool) -> dict[str, Any]:
+    """Compiles and times ``jit(value_and_grad(loss))`` of one implementation."""
+    fn = lambda z: grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=config,  # noqa: E731
+                             impl=impl, **inp.kwargs())
+    step = jax.jit(jax.value_and_grad(fn, has_aux=True))
+    t0 = time.perf_counter()
+    jax.block_until_ready(step(inp.logits))
+    first_call_s = time.perf_counter() - t0
+    compiled = step.lower(inp.logits).compile()
+    analysis = compiled.memory_analysis()
+    memory = {f: getattr(analysis, f, None) for f in _MEMORY_FIELDS} if analysis else {}
+    for _ in range(warmup):
+        jax.block_until_ready(step(inp.logits))
+    times = []
+    for _ in common.progress(range(iters), iters, f"bench {impl}", show_progress):
+        t0 = time.perf_counter()
+        jax.block_until_ready(step(inp.logits))
+        times.append(time.perf_counter() - t0)
+    stats = jax.devices()[0].memory_stats() or {}
+    return {
+        "impl": impl,
+        "avg_step_ms": 1e3 * statistics.fmean(times),
+        "median_step_ms": 1e3 * statistics.median(times),
+        "min_step_ms": 1e3 * min(times),
+        "first_call_s": first_call_s,
+        **memory,
+        "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+    }
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench", help="time and memory of value_and_grad per implementation, ratios to reference",
+        description="Runs jit(value_and_grad(loss)) for every implementation in one process on "
+        "the same random inputs and prints one JSON object per implementation (time, first call, "
+        "compiled memory_analysis, device memory_stats peak when available, ratios to reference), "
+        "then a table.",
+    )
+    p.add_argument("--impl", default="reference,xla", help="comma list (reference always runs)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--time", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-time-ratio", type=float,
+                   help="exit 1 unless every non-reference median time <= this x reference")
+    p.add_argument("--max-temp-ratio", type=float,
+                   help="exit 1 unless every non-reference temp bytes <= this x reference")
+    p.add_argument("--json", action="store_true", help="JSON lines only, no table")
+    common.add_loss_flags(p)
+    common.add_wandb_flags(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    impls = _impl_list(args.impl)
+    for name in ("batch", "time", "vocab", "iters"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    config = common.loss_config_from({}, args)
+    inp = random_inputs(args.seed, args.batch, args.time, args.vocab, parse_dtype(args.dtype),
+                        config)
+    shape = {"batch": args.batch, "time": args.time, "vocab": args.vocab, "dtype": args.dtype,
+             "iters": args.iters, "warmup": args.warmup}
+    machine = machine_description()
+    results = [measure(i, inp, config, args.iters, args.warmup, not args.json) for i in impls]
+    ref = results[0]
+    ok = True
+    for r in results:
+        for key in ("avg_step_ms", "median_step_ms", "first_call_s", "temp_size_in_bytes",
+                    "peak_bytes_in_use"):
+            a, b = r.get(key), ref.get(key)
+            r[f"{key}_ratio_to_reference"] = a / b if a is not None and b else None
+        r.update(shape, loss=config.to_dict(), machine=machine)
+        if r["impl"] != "reference":
+            if args.max_time_ratio is not None:
+                r["gate_time"] = r["median_step_ms_ratio_to_reference"] <= args.max_time_ratio
+                ok &= r["gate_time"]
+            if args.max_temp_ratio is not None and r["temp_size_in_bytes_ratio_to_reference"] is not None:
+                r["gate_temp"] = r["temp_size_in_bytes_ratio_to_reference"] <= args.max_temp_ratio
+                ok &= r["gate_temp"]
+        print(json.dumps(r))
+    if not args.json:
+        print(f"\nbench B={args.batch} T={args.time} V={args.vocab} {args.dtype}, "
+              f"{args.iters} iters after {args.warmup} warm-up, {machine['backend']} "
+              f"({machine['device']}), jax {machine['jax']}")
+        cols = ["impl", "median_step_ms", "avg_step_ms", "first_call_s", "temp_size_in_bytes",
+                "peak_bytes_in_use", "median_step_ms_ratio_to_reference",
+                "temp_size_in_bytes_ratio_to_reference"]
+        print(common.fmt_table(results, cols))
+    common.log_wandb(args, "bench", {**shape, **config.to_dict()},
+                     [{f"{r['impl']}/{k}": v for k, v in r.items()} for r in results])
+    return 0 if ok else 1

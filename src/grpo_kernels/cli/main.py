@@ -1,0 +1,34 @@
+"""The ``grpo-kernels`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from grpo_kernels import __version__
+from grpo_kernels.cli import bench, gradcheck
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="grpo-kernels",
+        description="Fast, memory-light GRPO policy losses for JAX: gradcheck and benchmarks.",
+    )
+    p.add_argument("--version", action="version", version=f"grpo-kernels {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    gradcheck.add_parser(sub)
+    bench.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as e:
+        print(f"grpo-kernels {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

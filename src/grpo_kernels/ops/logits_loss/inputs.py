@@ -1,0 +1,74 @@
+"""Seeded random inputs for gradcheck, bench and tests: never zeros, off-policy like a real step."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.ops.logits_loss.reference import token_logp_and_entropy
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "f32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+def parse_dtype(name: str) -> Any:
+    """``"bf16"``/``"bfloat16"``/``"f32"``/``"float32"`` -> jnp dtype; ValueError otherwise."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class LossInputs:
+    """Arguments of :func:`grpo_kernels.grpo_loss` besides ``config`` and ``impl``."""
+
+    logits: jax.Array
+    ids: jax.Array
+    mask: jax.Array
+    advantages: jax.Array
+    old_logps: jax.Array | None
+    ref_logps: jax.Array | None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"old_logps": self.old_logps, "ref_logps": self.ref_logps}
+
+
+def random_inputs(
+    seed: int,
+    batch: int,
+    time: int,
+    vocab: int,
+    dtype: Any,
+    config: GRPOLossConfig,
+    *,
+    noise: float = 0.1,
+    logit_scale: float = 2.0,
+    on_policy: bool = False,
+) -> LossInputs:
+    """Random GRPO inputs shaped like one training step.
+
+    Logits ~ ``N(0, logit_scale^2)``; ids uniform in ``[0, V)``; each row's mask is a prefix of
+    random length in ``[1, T]`` (right padding, as completions have); advantages ~ ``N(0, 1)``;
+    ``old_logps`` and ``ref_logps`` are the reference log-probs plus ``N(0, noise^2)`` (a real
+    off-policy step), ``old_logps`` omitted when ``on_policy``.
+    """
+    keys = jax.random.split(jax.random.PRNGKey(seed), 6)
+    logits = (jax.random.normal(keys[0], (batch, time, vocab), jnp.float32) * logit_scale)
+    logits = logits.astype(dtype)
+    ids = jax.random.randint(keys[1], (batch, time), 0, vocab, dtype=jnp.int32)
+    lengths = jax.random.randint(keys[2], (batch, 1), 1, time + 1)
+    mask = (jnp.arange(time)[None, :] < lengths).astype(jnp.float32)
+    advantages = jax.random.normal(keys[3], (batch,), jnp.float32)
+    logp, _ = token_logp_and_entropy(logits, ids, config.temperature)
+    old = None if on_policy else logp + noise * jax.random.normal(keys[4], logp.shape)
+    ref = logp + noise * jax.random.normal(keys[5], logp.shape)
+    return LossInputs(logits, ids, mask, advantages, old, ref)
+
+
+def to_numpy(x: jax.Array | None) -> np.ndarray | None:
+    return None if x is None else np.asarray(jnp.asarray(x, jnp.float32), np.float64)

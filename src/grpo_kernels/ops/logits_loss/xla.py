@@ -1,0 +1,279 @@
+r"""Chunked XLA GRPO loss: dlogits formed in the forward pass, backward only scales them.
+
+The logits ``[B, T, V]`` are viewed as ``N = B*T`` rows. Two sweeps, both in float32 arithmetic:
+
+1. **Statistics**, a loop over chunks of rows (and over blocks of the vocabulary with an online
+   logsumexp when one row does not fit the working-set budget). Per row, with ``s = z / tau``:
+
+   .. math::
+
+       m = \max_v s_v,\quad S = \sum_v e^{s_v - m},\quad Q = \sum_v e^{s_v - m}(s_v - m),\quad
+       \mathrm{lse} = m + \log S,\quad H = \log S - Q / S,\quad \log\pi(y) = s_y - \mathrm{lse}.
+
+   Only these ``[N]`` vectors leave the loop.
+2. **Gradient**, after :mod:`grpo_kernels.objective` has turned the ``[B, T]`` log-probs into the
+   loss and :math:`g = \partial L / \partial \log\pi(y)`:
+
+   .. math::
+
+       \frac{\partial L}{\partial z_v} = \frac{g}{\tau}\,(\mathbb{1}[v = y] - e^{s_v - \mathrm{lse}}),
+
+   one elementwise expression that XLA fuses into a single kernel reading the logits once and
+   writing dlogits once, in the logits dtype (in place when the logits are donated).
+
+Both happen in the ``custom_vjp`` forward; the backward multiplies by the loss cotangent, which XLA
+fuses into the same kernel. No float32 ``[B, T, V]`` array exists at any point.
+
+Why the gradient is not written chunk by chunk inside the loop: XLA's CPU backend has no native
+bfloat16 ``dynamic-update-slice``/``dynamic-slice``/``scatter``; it upcasts the *whole* buffer to
+float32 around each one (measured: 10x slower and a float32 copy of the logits). The loop
+therefore slices a ``uint16`` view of bfloat16 logits and writes only float32 row statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.objective import grpo_objective, loss_metrics
+
+Array = jax.Array
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaBlockSizes:
+    """Chunking of the statistics sweep of the XLA implementation.
+
+    Attributes:
+      chunk_tokens: Rows (tokens) per chunk; ``None`` derives it from ``chunk_bytes``.
+      block_vocab: Vocabulary columns per block; ``None`` means whole rows when a row fits
+        ``chunk_bytes`` and blocks of ``chunk_bytes`` otherwise.
+      chunk_bytes: Target float32 working set of one chunk; ``None`` picks a backend default.
+    """
+
+    chunk_tokens: int | None = None
+    block_vocab: int | None = None
+    chunk_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_tokens", "block_vocab", "chunk_bytes"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ValueError(f"XlaBlockSizes.{name} must be None or an int >= 1, got {value!r}")
+
+
+# Working-set targets per backend: a few MiB stays in a CPU's cache; an accelerator wants
+# enough rows per step to fill the chip.
+_DEFAULT_CHUNK_BYTES = {"cpu": 8 << 20, "gpu": 256 << 20, "tpu": 256 << 20}
+
+
+def plan_blocks(n_rows: int, vocab: int, blocks: XlaBlockSizes, backend: str) -> tuple[int, int]:
+    """Returns ``(rows_per_chunk, vocab_block)`` for ``n_rows`` rows of ``vocab`` logits."""
+    budget = blocks.chunk_bytes or _DEFAULT_CHUNK_BYTES.get(backend, 64 << 20)
+    block_v = blocks.block_vocab
+    if block_v is None:
+        block_v = vocab if 4 * vocab <= budget else max(128, (budget // 4) // 128 * 128)
+    block_v = min(block_v, vocab)
+    rows = blocks.chunk_tokens or max(1, budget // (4 * block_v))
+    return max(1, min(rows, n_rows)), block_v
+
+
+def _sweep(n: int, block: int, body: Callable[[Any, int, Any], Any], carry: Any) -> Any:
+    """Runs ``body(start, size, carry)`` over ``[0, n)`` in blocks that never overlap.
+
+    Full blocks go through a ``fori_loop`` (traced ``start``); the remainder, if any, is one more
+    call with a static ``start``, so no element is visited twice and nothing is padded.
+    """
+    full, tail = divmod(n, block)
+    if full == 1:
+        carry = body(0, block, carry)
+    elif full > 1:
+        carry = jax.lax.fori_loop(0, full, lambda i, c: body(i * block, block, c), carry)
+    if tail:
+        carry = body(full * block, tail, carry)
+    return carry
+
+
+class _Rows:
+    """Read access to ``[N, V]`` logits that stays cheap on every backend.
+
+    On CPU, 16-bit floats are sliced through a same-width unsigned-integer view (see module
+    docstring); elsewhere the logits are sliced directly.
+    """
+
+    def __init__(self, z: Array):
+        """``z``: logits of any rank; rows are everything but the last axis."""
+        self.dtype = z.dtype
+        self._bits = jax.default_backend() == "cpu" and z.dtype.itemsize == 2
+        # Bitcast before flattening: on CPU a reshape of the bfloat16 array becomes a copy.
+        data = jax.lax.bitcast_convert_type(z, jnp.uint16) if self._bits else z
+        self._data = data.reshape(-1, z.shape[-1])
+        self.shape = self._data.shape
+
+    def _decode(self, x: Array) -> Array:
+        return jax.lax.bitcast_convert_type(x, self.dtype) if self._bits else x
+
+    def block(self, row: Any, rows: int, col: Any, cols: int) -> Array:
+        return self._decode(jax.lax.dynamic_slice(self._data, (row, col), (rows, cols)))
+
+    def pick(self, ids: Array) -> Array:
+        """``z[n, ids[n]]`` for every row."""
+        return self._decode(jnp.take_along_axis(self._data, ids[:, None], axis=1)[:, 0])
+
+
+def _block_stats(s: Array) -> tuple[Array, Array, Array]:
+    """``(m, S, Q)`` of a float32 block ``s [C, W]`` (see module docstring)."""
+    m = jnp.max(s, axis=1)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    shifted = s - m_safe[:, None]
+    e = jnp.exp(shifted)
+    return m, jnp.sum(e, axis=1), jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=1)
+
+
+def _merge_stats(a: tuple[Array, Array, Array], b: tuple[Array, Array, Array]):
+    """Online-softmax merge of two ``(m, S, Q)`` triples over disjoint vocabulary blocks."""
+    (ma, sa, qa), (mb, sb, qb) = a, b
+    m = jnp.maximum(ma, mb)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+
+    def rebase(mx, sx, qx):
+        # sum e^{s-m_new} = e^{m_x-m_new} S_x ; sum e^{s-m_new}(s-m_new) = e^{..}(Q_x + S_x (m_x-m_new))
+        scale = jnp.where(sx > 0, jnp.exp(mx - m_safe), 0.0)
+        return scale * sx, scale * (qx + jnp.where(sx > 0, sx * (mx - m_safe), 0.0))
+
+    (sa, qa), (sb, qb) = rebase(ma, sa, qa), rebase(mb, sb, qb)
+    return m, sa + sb, qa + qb
+
+
+def row_statistics(
+    z: Array, ids: Array, temperature: float, rows: int, block_v: int
+) -> tuple[Array, Array, Array]:
+    """Per-row ``(logp, lse, entropy)`` of ``softmax(z / temperature)``, rows flattened.
+
+    Args:
+      z: ``[..., V]`` logits with ``N`` rows in all (any float dtype; arithmetic in float32).
+      ids: ``[N]`` int32 chosen ids, already in ``[0, V)``.
+      temperature: Softmax temperature.
+      rows: Rows per chunk of the loop.
+      block_v: Vocabulary columns per block (``>= V``: whole rows).
+
+    Returns:
+      Three ``[N]`` float32 vectors.
+    """
+    view = _Rows(z)
+    n, vocab = view.shape
+
+    def scaled(x):
+        return x.astype(_F32) / temperature
+
+    def chunk(start, size, carry):
+        if block_v >= vocab:
+            stats = _block_stats(scaled(view.block(start, size, 0, vocab)))
+        else:
+            init = (jnp.full((size,), -jnp.inf, _F32), jnp.zeros((size,), _F32),
+                    jnp.zeros((size,), _F32))
+            stats = _sweep(
+                vocab, block_v,
+                lambda c0, w, acc: _merge_stats(
+                    acc, _block_stats(scaled(view.block(start, size, c0, w)))),
+                init,
+            )
+        return tuple(jax.lax.dynamic_update_slice_in_dim(c, x, start, 0)
+                     for c, x in zip(carry, stats))
+
+    init = tuple(jnp.zeros((n,), _F32) for _ in range(3))
+    m, total, q = _sweep(n, rows, chunk, init)
+    log_total = jnp.log(total)
+    lse = m + log_total
+    logp = scaled(view.pick(ids)) - lse
+    return logp, lse, log_total - q / total
+
+
+def logits_gradient(z: Array, ids: Array, lse: Array, g: Array, temperature: float) -> Array:
+    r"""``dL/dz = (g / tau) (onehot(ids) - exp(z / tau - lse))`` in the dtype of ``z [..., V]``.
+
+    ``ids``, ``lse`` and ``g`` have the shape of ``z`` without its last axis. A single
+    elementwise expression: XLA fuses it (and any later scaling) into one kernel.
+    """
+    scale = (g / temperature)[..., None]
+    p = jnp.exp(z.astype(_F32) / temperature - lse[..., None])
+    hit = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) == ids[..., None]
+    return jnp.where(hit, scale * (1.0 - p), -scale * p).astype(z.dtype)
+
+
+def _forward(logits, ids, mask, advantages, old, ref, num_items, *, config, rows, block_v,
+             with_grad):
+    b, t, vocab = logits.shape
+    ids = jnp.clip(ids.astype(jnp.int32), 0, vocab - 1)
+    logp, lse, entropy = row_statistics(logits, ids.reshape(-1), config.temperature, rows, block_v)
+    logp, lse, entropy = logp.reshape(b, t), lse.reshape(b, t), entropy.reshape(b, t)
+
+    def objective(lp):
+        return grpo_objective(lp, mask, advantages, config, old, ref, num_items)
+
+    dlogits = None
+    if with_grad:
+        (loss, aux), g = jax.value_and_grad(objective, has_aux=True)(logp)
+        dlogits = logits_gradient(logits, ids, lse, g, config.temperature)
+    else:
+        loss, aux = objective(logp)
+    metrics = loss_metrics(logp, entropy, aux, mask, advantages, config)
+    return loss, metrics, dlogits
+
+
+def _zero_cotangent(x: Array | None):
+    if x is None:
+        return None
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, dtype=jax.dtypes.float0)
+
+
+def xla_grpo_loss(
+    logits: Array,
+    ids: Array,
+    mask: Array,
+    advantages: Array,
+    *,
+    config: GRPOLossConfig,
+    old_logps: Array | None = None,
+    ref_logps: Array | None = None,
+    num_items_in_batch: Array | None = None,
+    block_sizes: XlaBlockSizes | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """Chunked GRPO loss, differentiable w.r.t. ``logits`` (other inputs get zero cotangents).
+
+    Args, returns: as :func:`grpo_kernels.grpo_loss`; ``block_sizes`` overrides the chunking.
+    """
+    b, t, vocab = logits.shape
+    rows, block_v = plan_blocks(
+        b * t, vocab, block_sizes or XlaBlockSizes(), jax.default_backend()
+    )
+    static = dict(config=config, rows=rows, block_v=block_v)
+    rest = (ids, mask, advantages, old_logps, ref_logps, num_items_in_batch)
+
+    @jax.custom_vjp
+    def loss_fn(logits, rest):
+        loss, metrics, _ = _forward(logits, *rest, **static, with_grad=False)
+        return loss, metrics
+
+    def loss_fwd(logits, rest):
+        loss, metrics, dlogits = _forward(logits, *rest, **static, with_grad=True)
+        return (loss, metrics), (dlogits, rest)
+
+    def loss_bwd(res, cotangents):
+        dlogits, rest = res
+        scaled = (dlogits.astype(_F32) * cotangents[0].astype(_F32)).astype(dlogits.dtype)
+        return scaled, jax.tree.map(_zero_cotangent, rest, is_leaf=lambda x: x is None)
+
+    loss_fn.defvjp(loss_fwd, loss_bwd)
+    return loss_fn(logits, rest)

@@ -1,0 +1,50 @@
+"""Shared test helpers."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_kernels import GRPOLossConfig, grpo_loss
+from grpo_kernels.config import LOSS_TYPES
+
+
+def loss_grid(time: int):
+    """The issue's grid: loss_type x level x beta x delta x temperature."""
+    for lt, lvl, beta, delta, temp in itertools.product(
+        LOSS_TYPES, ("token", "sequence"), (0.0, 0.04), (None, 2.0), (1.0, 0.7)
+    ):
+        yield GRPOLossConfig(loss_type=lt, importance_sampling_level=lvl, beta=beta, delta=delta,
+                             temperature=temp, max_completion_length=time)
+
+
+def grid_id(cfg: GRPOLossConfig) -> str:
+    return (f"{cfg.loss_type}-{cfg.importance_sampling_level}-b{cfg.beta}-d{cfg.delta}"
+            f"-t{cfg.temperature}")
+
+
+def value_and_grad(impl, inp, cfg, jit=True, **kw):
+    def fn(z):
+        return grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=cfg, impl=impl,
+                         **inp.kwargs(), **kw)
+
+    f = jax.value_and_grad(fn, has_aux=True)
+    if jit:
+        f = jax.jit(f)
+    (loss, metrics), grad = f(inp.logits)
+    return loss, metrics, grad
+
+
+def as64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def rel_err(a, b) -> float:
+    a, b = as64(a), as64(b)
+    scale = np.max(np.abs(b))
+    err = np.max(np.abs(a - b))
+    assert np.isfinite(err), "non-finite values"
+    return float(err / scale) if scale > 0 else float(err)

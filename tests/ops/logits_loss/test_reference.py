@@ -1,0 +1,79 @@
+"""The reference against the float64 NumPy oracle: values, metrics and gradients."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_kernels import GRPOLossConfig
+from grpo_kernels.ops.logits_loss.inputs import random_inputs, to_numpy
+from tests.helpers import as64, grid_id, loss_grid, value_and_grad
+from tests.oracle import oracle
+
+B, T, V = 3, 9, 97
+GRID = list(loss_grid(T))
+
+
+def _oracle(inp, cfg, **kw):
+    return oracle(as64(inp.logits), np.asarray(inp.ids), as64(inp.mask), as64(inp.advantages),
+                  cfg, to_numpy(inp.old_logps), to_numpy(inp.ref_logps), **kw)
+
+
+@pytest.mark.parametrize("cfg", GRID, ids=grid_id)
+def test_reference_matches_float64_oracle(cfg):
+    inp = random_inputs(1, B, T, V, jnp.float32, cfg, noise=0.3)
+    loss, metrics, _ = value_and_grad("reference", inp, cfg)
+    want, want_m = _oracle(inp, cfg)
+    assert np.isfinite(float(loss))
+    np.testing.assert_allclose(float(loss), want, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(as64(metrics["logp"]), want_m["logp"], rtol=1e-5, atol=1e-5)
+    for key in ("entropy", "kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region"):
+        np.testing.assert_allclose(float(metrics[key]), want_m[key], rtol=1e-5, atol=1e-6,
+                                   err_msg=key)
+
+
+def test_clip_metrics_are_exercised():
+    """With large noise the ratios leave the clip range, so the clip metrics are non-trivial."""
+    cfg = GRPOLossConfig()
+    inp = random_inputs(2, 4, 16, 50, jnp.float32, cfg, noise=1.0)
+    _, metrics, _ = value_and_grad("reference", inp, cfg)
+    assert 0 < float(metrics["clip_ratio_region"]) < 1
+    assert float(metrics["clip_ratio_region"]) == pytest.approx(
+        float(metrics["clip_ratio_low"]) + float(metrics["clip_ratio_high"]))
+
+
+@pytest.mark.parametrize("cfg", GRID[::5], ids=grid_id)
+def test_reference_gradient_matches_oracle_finite_differences(cfg):
+    """Directional derivatives of the float64 oracle (central differences) vs the f32 gradient."""
+    inp = random_inputs(3, 2, 5, 31, jnp.float32, cfg, noise=0.3)
+    _, _, grad = value_and_grad("reference", inp, cfg)
+    z = as64(inp.logits)
+    rng = np.random.default_rng(0)
+    h = 1e-5
+    for _ in range(3):
+        v = rng.normal(size=z.shape)
+        plus = _oracle(dataclasses.replace(inp, logits=z + h * v), cfg)[0]
+        minus = _oracle(dataclasses.replace(inp, logits=z - h * v), cfg)[0]
+        fd = (plus - minus) / (2 * h)
+        np.testing.assert_allclose(np.sum(as64(grad) * v), fd, rtol=1e-3, atol=1e-6)
+
+
+def test_dapo_num_items_in_batch():
+    cfg = GRPOLossConfig(loss_type="dapo")
+    inp = random_inputs(4, 3, 6, 20, jnp.float32, cfg)
+    loss, _, _ = value_and_grad("reference", inp, cfg, num_items_in_batch=40.0)
+    np.testing.assert_allclose(float(loss), _oracle(inp, cfg, num_items=40.0)[0], rtol=1e-5)
+
+
+def test_temperature_divides_logits_before_softmax():
+    """log_softmax(z / t) is not log_softmax(z) / t (the earlier JAX code's form) unless t = 1."""
+    cfg = GRPOLossConfig(temperature=0.5)
+    inp = random_inputs(5, 2, 4, 30, jnp.float32, cfg)
+    _, metrics, _ = value_and_grad("reference", inp, cfg)
+    z = as64(inp.logits)
+    ids = np.asarray(inp.ids)[..., None]
+    right = np.take_along_axis(z / 0.5 - np.log(np.exp(z / 0.5).sum(-1, keepdims=True)), ids, -1)
+    wrong = np.take_along_axis(z - np.log(np.exp(z).sum(-1, keepdims=True)), ids, -1) / 0.5
+    np.testing.assert_allclose(as64(metrics["logp"]), right[..., 0], rtol=1e-5)
+    assert np.max(np.abs(right - wrong)) > 0.1
