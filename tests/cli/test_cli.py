@@ -1,0 +1,132 @@
+"""The grpo-kernels command: gradcheck gates and exit codes, bench output, config errors, --help."""
+
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from grpo_kernels.cli.main import main
+from grpo_kernels.ops.logits_loss import IMPLEMENTATIONS, xla_grpo_loss
+
+
+def run_json(capsys, argv):
+    code = main(argv)
+    out = capsys.readouterr().out
+    return code, [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("argv", [[], ["gradcheck"], ["bench"]])
+def test_help(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--help"])
+    assert e.value.code == 0
+    assert "usage: grpo-kernels" in capsys.readouterr().out
+
+
+def test_gradcheck_passes_and_reports_every_field(capsys):
+    code, recs = run_json(capsys, ["gradcheck", "--json", "--batch", "2", "--time", "8",
+                                   "--vocab", "257", "--dtype", "bfloat16", "--beta", "0.04",
+                                   "--importance-sampling-level", "sequence"])
+    assert code == 0 and len(recs) == 1
+    r = recs[0]
+    for key in ("loss_ref", "loss_kernel", "abs_diff_loss", "max_abs_diff_dlogits",
+                "max_rel_diff_dlogits", "gate_loss_abs", "gate_dlogits_rel", "gate_finite"):
+        assert key in r
+    assert r["passed"] and r["dtype"] == "bfloat16" and r["beta"] == 0.04
+    assert r["loss_ref"] != 0.0
+
+
+def test_gradcheck_fails_with_exit_1_on_a_wrong_gradient(capsys, monkeypatch):
+    def broken(*args, **kwargs):
+        loss, metrics = xla_grpo_loss(*args, **kwargs)
+        return loss * 1.001, metrics  # loss and every gradient 0.1% off
+
+    monkeypatch.setitem(IMPLEMENTATIONS, "xla", broken)
+    code = main(["gradcheck", "--time", "8", "--vocab", "50", "--beta", "0.04"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "gate dlogits_rel             FAIL" in out
+
+
+def test_gradcheck_fails_on_nan(capsys, monkeypatch):
+    def nan_impl(*args, **kwargs):
+        loss, metrics = xla_grpo_loss(*args, **kwargs)
+        return loss * jnp.nan, metrics
+
+    monkeypatch.setitem(IMPLEMENTATIONS, "xla", nan_impl)
+    code, recs = run_json(capsys, ["gradcheck", "--json", "--time", "4", "--vocab", "20"])
+    assert code == 1 and recs[0]["gate_finite"] == "FAIL"
+
+
+def test_gradcheck_config_file_and_tolerance_gate(tmp_path, capsys):
+    path = tmp_path / "gc.yaml"
+    path.write_text("loss: {loss_type: dr_grpo, max_completion_length: 16, delta: 2.0}\n"
+                    "shape: {batch: 3, time: 7, vocab: 33, dtype: float32}\n"
+                    "tolerances: {float32: {dlogits_rtol: 0.0, dlogits_atol: 0.0}}\n")
+    code, recs = run_json(capsys, ["gradcheck", "--json", "--config", str(path)])
+    r = recs[0]
+    assert (r["loss_type"], r["batch"], r["vocab"], r["delta"]) == ("dr_grpo", 3, 33, 2.0)
+    # A zero tolerance fails unless both gradients agree bit for bit.
+    assert code == (0 if r["max_abs_diff_dlogits"] == 0 else 1)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("loss: {epsilon: 0.2}\n", "unknown GRPOLossConfig key(s) ['epsilon']"),
+    ("shape: {batch: 2, heads: 3}\n", "shape: unknown key(s) ['heads']"),
+    ("tolerances: {float32: {loss_tol: 1}}\n", "tolerances.float32: unknown key(s) ['loss_tol']"),
+    ("tolerances: {float32: {loss_atol: -1}}\n", "tolerances.loss_atol must be a number >= 0"),
+    ("optimizer: adam\n", "unknown key(s) ['optimizer']"),
+    ("- a\n- b\n", "top level must be a mapping"),
+])
+def test_config_errors_name_the_key(tmp_path, capsys, text, fragment):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert main(["gradcheck", "--config", str(path)]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_missing_config_and_bad_flags(capsys):
+    assert main(["gradcheck", "--config", "/nonexistent.yaml"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["gradcheck", "--temperature", "0"]) == 2
+    assert "temperature must be > 0" in capsys.readouterr().err
+    assert main(["bench", "--impl", "reference,cuda"]) == 2
+    assert "--impl must be a comma list" in capsys.readouterr().err
+
+
+def test_bench_reports_time_memory_and_ratios(capsys):
+    code, recs = run_json(capsys, ["bench", "--json", "--impl", "xla", "--batch", "2", "--time",
+                                   "16", "--vocab", "512", "--iters", "2", "--warmup", "1",
+                                   "--max-temp-ratio", "1.0"])
+    assert code == 0
+    assert [r["impl"] for r in recs] == ["reference", "xla"]
+    for r in recs:
+        for key in ("avg_step_ms", "median_step_ms", "first_call_s", "temp_size_in_bytes",
+                    "argument_size_in_bytes", "output_size_in_bytes", "peak_bytes_in_use",
+                    "median_step_ms_ratio_to_reference", "machine"):
+            assert key in r
+        assert r["avg_step_ms"] > 0
+    assert recs[0]["median_step_ms_ratio_to_reference"] == 1.0
+    assert recs[1]["temp_size_in_bytes"] < recs[0]["temp_size_in_bytes"]
+    assert recs[1]["gate_temp"] is True
+
+
+def test_bench_time_gate_fails_when_unmeetable(capsys):
+    code, recs = run_json(capsys, ["bench", "--json", "--batch", "1", "--time", "4", "--vocab",
+                                   "64", "--iters", "1", "--warmup", "0", "--max-time-ratio", "0"])
+    assert code == 1 and recs[1]["gate_time"] is False
+
+
+def test_wandb_offline_without_package_is_a_clear_error(capsys, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *a, **k):
+        if name == "wandb":
+            raise ImportError("no wandb")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    with pytest.raises(SystemExit, match=r"needs the wandb package"):
+        main(["gradcheck", "--time", "4", "--vocab", "20", "--wandb-mode", "offline"])
