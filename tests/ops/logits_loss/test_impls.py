@@ -105,13 +105,15 @@ def test_extreme_and_masked_vocab_logits_stay_finite(impl, dtype):
     assert np.isfinite(float(loss))
     assert bool(jnp.all(jnp.isfinite(grad.astype(jnp.float32))))
     assert all(np.isfinite(float(metrics[k])) for k in METRICS)
-    # At |z / t| ~ 1.4e4 a float32 entropy is only good to ~1e-3 absolute; compare it with the
-    # float64 oracle rather than between implementations.
-    want = oracle(as64(z), np.asarray(inp.ids), as64(inp.mask), as64(inp.advantages), cfg,
-                  as64(inp.old_logps), as64(inp.ref_logps))[1]
+    # At |z / t| ~ 1.4e4 any float32 log-prob is only good to ~1e-3 absolute (the KL term
+    # amplifies it to ~0.4% of this loss): compare with the float64 oracle, not across impls.
+    want_loss, want = oracle(as64(z), np.asarray(inp.ids), as64(inp.mask), as64(inp.advantages),
+                             cfg, as64(inp.old_logps), as64(inp.ref_logps))
+    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-2)
     np.testing.assert_allclose(float(metrics["entropy"]), want["entropy"], atol=5e-3)
     if impl != "reference":
-        assert_matches_reference(impl, inp, cfg, metrics=("clip_ratio_region",))
+        _, _, want_grad = value_and_grad("reference", inp, cfg)
+        assert rel_err(grad, want_grad) <= TOL[dtype]["grad"]
 
 
 @pytest.mark.parametrize("impl", FAST)
