@@ -103,31 +103,32 @@ def _sweep(n: int, block: int, body: Callable[[Any, int, Any], Any], carry: Any)
     return carry
 
 
-class _Rows:
-    """Read access to ``[N, V]`` logits that stays cheap on every backend.
+def _load(z: Array, row: Any, rows: int, col: Any, cols: int, temperature: float) -> Array:
+    """``z[row:row+rows, col:col+cols] / temperature`` in float32, ``z`` viewed as ``[N, V]``.
 
-    On CPU, 16-bit floats are sliced through a same-width unsigned-integer view (see module
-    docstring); elsewhere the logits are sliced directly.
+    On CPU, 16-bit floats are sliced through a same-width unsigned-integer view: XLA:CPU has no
+    native bfloat16 dynamic-slice and would convert the whole array to float32 (see the module
+    docstring). The bitcast is applied to the array and then sliced, so XLA fuses both into one
+    read of the slice, provided ``z`` is loop-variant (callers pass it through
+    :func:`_loop_carried`).
     """
+    vocab = z.shape[-1]
+    if jax.default_backend() == "cpu" and z.dtype.itemsize == 2:
+        bits = jax.lax.bitcast_convert_type(z, jnp.uint16).reshape(-1, vocab)
+        block = jax.lax.dynamic_slice(bits, (row, col), (rows, cols))
+        block = jax.lax.bitcast_convert_type(block, z.dtype)
+    else:
+        block = jax.lax.dynamic_slice(z.reshape(-1, vocab), (row, col), (rows, cols))
+    return block.astype(_F32) / temperature
 
-    def __init__(self, z: Array):
-        """``z``: logits of any rank; rows are everything but the last axis."""
-        self.dtype = z.dtype
-        self._bits = jax.default_backend() == "cpu" and z.dtype.itemsize == 2
-        # Bitcast before flattening: on CPU a reshape of the bfloat16 array becomes a copy.
-        data = jax.lax.bitcast_convert_type(z, jnp.uint16) if self._bits else z
-        self._data = data.reshape(-1, z.shape[-1])
-        self.shape = self._data.shape
 
-    def _decode(self, x: Array) -> Array:
-        return jax.lax.bitcast_convert_type(x, self.dtype) if self._bits else x
+def _loop_carried(z: Array) -> Array:
+    """Marks ``z`` as changing every iteration so XLA cannot hoist work on all of it.
 
-    def block(self, row: Any, rows: int, col: Any, cols: int) -> Array:
-        return self._decode(jax.lax.dynamic_slice(self._data, (row, col), (rows, cols)))
-
-    def pick(self, ids: Array) -> Array:
-        """``z[n, ids[n]]`` for every row."""
-        return self._decode(jnp.take_along_axis(self._data, ids[:, None], axis=1)[:, 0])
+    Without this, loop-invariant code motion lifts the bitcast (or a float32 conversion) of the
+    entire logits out of the loop, i.e. a full copy before the loop starts.
+    """
+    return jax.lax.optimization_barrier(z)
 
 
 def _block_stats(s: Array) -> tuple[Array, Array, Array]:
@@ -169,33 +170,42 @@ def row_statistics(
     Returns:
       Three ``[N]`` float32 vectors.
     """
-    view = _Rows(z)
-    n, vocab = view.shape
+    vocab = z.shape[-1]
+    n = ids.shape[0]
 
-    def scaled(x):
-        return x.astype(_F32) / temperature
+    def whole_rows(start, size, zz):
+        s = _load(zz, start, size, 0, vocab, temperature)
+        idc = jax.lax.dynamic_slice_in_dim(ids, start, size)
+        chosen = jnp.take_along_axis(s, idc[:, None], axis=1)[:, 0]
+        return (*_block_stats(s), chosen)
+
+    def vocab_blocks(start, size, zz):
+        idc = jax.lax.dynamic_slice_in_dim(ids, start, size)[:, None]
+
+        def block(col, width, carry):
+            acc, zz = carry
+            zz = _loop_carried(zz)
+            s = _load(zz, start, size, col, width, temperature)
+            cols = col + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            chosen = acc[3] + jnp.sum(jnp.where(cols == idc, s, 0.0), axis=1)
+            return (*_merge_stats(acc[:3], _block_stats(s)), chosen), zz
+
+        zeros = jnp.zeros((size,), _F32)
+        init = (jnp.full((size,), -jnp.inf, _F32), zeros, zeros, zeros)
+        return _sweep(vocab, block_v, block, (init, zz))[0]
 
     def chunk(start, size, carry):
-        if block_v >= vocab:
-            stats = _block_stats(scaled(view.block(start, size, 0, vocab)))
-        else:
-            init = (jnp.full((size,), -jnp.inf, _F32), jnp.zeros((size,), _F32),
-                    jnp.zeros((size,), _F32))
-            stats = _sweep(
-                vocab, block_v,
-                lambda c0, w, acc: _merge_stats(
-                    acc, _block_stats(scaled(view.block(start, size, c0, w)))),
-                init,
-            )
-        return tuple(jax.lax.dynamic_update_slice_in_dim(c, x, start, 0)
-                     for c, x in zip(carry, stats))
+        out, zz = carry
+        zz = _loop_carried(zz)
+        stats = (whole_rows if block_v >= vocab else vocab_blocks)(start, size, zz)
+        out = tuple(jax.lax.dynamic_update_slice_in_dim(o, x, start, 0) for o, x in zip(out, stats))
+        return out, zz
 
-    init = tuple(jnp.zeros((n,), _F32) for _ in range(3))
-    m, total, q = _sweep(n, rows, chunk, init)
+    init = tuple(jnp.zeros((n,), _F32) for _ in range(4))
+    (m, total, q, chosen), _ = _sweep(n, rows, chunk, (init, z))
     log_total = jnp.log(total)
     lse = m + log_total
-    logp = scaled(view.pick(ids)) - lse
-    return logp, lse, log_total - q / total
+    return chosen - lse, lse, log_total - q / total
 
 
 def logits_gradient(z: Array, ids: Array, lse: Array, g: Array, temperature: float) -> Array:
