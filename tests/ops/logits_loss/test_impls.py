@@ -44,15 +44,16 @@ def test_grid_matches_reference(impl, dtype, cfg):
     assert_matches_reference(impl, inp, cfg)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("blocks", [XlaBlockSizes(chunk_tokens=4, block_vocab=64),
                                     XlaBlockSizes(chunk_tokens=1, block_vocab=300),
                                     XlaBlockSizes(chunk_tokens=7),
                                     XlaBlockSizes(chunk_bytes=512)])
-def test_xla_chunking_and_vocab_blocks(level, blocks):
+def test_xla_chunking_and_vocab_blocks(level, blocks, dtype):
     """Ragged token chunks and vocab blocks (V = 301 is a multiple of none of them)."""
     cfg = GRPOLossConfig(importance_sampling_level=level, beta=0.04, temperature=0.7)
-    inp = random_inputs(12, B, T, V, jnp.float32, cfg, noise=0.3)
+    inp = random_inputs(12, B, T, V, dtype, cfg, noise=0.3)
     assert_matches_reference("xla", inp, cfg, block_sizes=blocks)
 
 
