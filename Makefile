@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 # Until the training runner lands: gradcheck and bench at a small shape, with their tables.
 demo: $(STAMP)
 	$(BIN)/grpo-kernels gradcheck --impl xla --batch 2 --time 128 --vocab 4096 --dtype bfloat16 --beta 0.04
-	$(BIN)/grpo-kernels bench --impl reference,xla --batch 2 --time 256 --vocab 8192 --dtype bfloat16 --iters 5
+	$(BIN)/grpo-kernels bench --impl reference,xla --batch 2 --time 256 --vocab 8192 --dtype bfloat16 --iters 5 --format table
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2

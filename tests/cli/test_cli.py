@@ -95,7 +95,7 @@ def test_missing_config_and_bad_flags(capsys):
 
 
 def test_bench_reports_time_memory_and_ratios(capsys):
-    code, recs = run_json(capsys, ["bench", "--json", "--impl", "xla", "--batch", "2", "--time",
+    code, recs = run_json(capsys, ["bench", "--format", "json", "--impl", "xla", "--batch", "2", "--time",
                                    "16", "--vocab", "512", "--iters", "2", "--warmup", "1",
                                    "--max-temp-ratio", "1.0"])
     assert code == 0
@@ -111,8 +111,15 @@ def test_bench_reports_time_memory_and_ratios(capsys):
     assert recs[1]["gate_temp"] is True
 
 
+def test_bench_table_format(capsys):
+    assert main(["bench", "--format", "table", "--batch", "1", "--time", "4", "--vocab", "64",
+                 "--iters", "1", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "{" not in out and "median_step_ms_ratio_to_reference" in out and "xla" in out
+
+
 def test_bench_time_gate_fails_when_unmeetable(capsys):
-    code, recs = run_json(capsys, ["bench", "--json", "--batch", "1", "--time", "4", "--vocab",
+    code, recs = run_json(capsys, ["bench", "--format", "json", "--batch", "1", "--time", "4", "--vocab",
                                    "64", "--iters", "1", "--warmup", "0", "--max-time-ratio", "0"])
     assert code == 1 and recs[1]["gate_time"] is False
 

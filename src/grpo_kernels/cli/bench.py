@@ -86,7 +86,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="exit 1 unless every non-reference median time <= this x reference")
     p.add_argument("--max-temp-ratio", type=float,
                    help="exit 1 unless every non-reference temp bytes <= this x reference")
-    p.add_argument("--json", action="store_true", help="JSON lines only, no table")
+    p.add_argument("--format", choices=["both", "json", "table"], default="both",
+                   help="JSON line per implementation, the table, or both (default)")
     common.add_loss_flags(p)
     common.add_wandb_flags(p)
     p.set_defaults(run=run)
@@ -105,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     shape = {"batch": args.batch, "time": args.time, "vocab": args.vocab, "dtype": args.dtype,
              "iters": args.iters, "warmup": args.warmup}
     machine = machine_description()
-    results = [measure(i, inp, config, args.iters, args.warmup, not args.json) for i in impls]
+    results = [measure(i, inp, config, args.iters, args.warmup, args.format != "json")
+               for i in impls]
     ref = results[0]
     ok = True
     for r in results:
@@ -121,8 +123,9 @@ def run(args: argparse.Namespace) -> int:
             if args.max_temp_ratio is not None and r["temp_size_in_bytes_ratio_to_reference"] is not None:
                 r["gate_temp"] = r["temp_size_in_bytes_ratio_to_reference"] <= args.max_temp_ratio
                 ok &= r["gate_temp"]
-        print(json.dumps(r))
-    if not args.json:
+        if args.format != "table":
+            print(json.dumps(r))
+    if args.format != "json":
         print(f"\nbench B={args.batch} T={args.time} V={args.vocab} {args.dtype}, "
               f"{args.iters} iters after {args.warmup} warm-up, {machine['backend']} "
               f"({machine['device']}), jax {machine['jax']}")
