@@ -103,6 +103,7 @@ def test_bench_reports_time_memory_and_ratios(capsys):
     for r in recs:
         for key in ("avg_step_ms", "median_step_ms", "first_call_s", "temp_size_in_bytes",
                     "argument_size_in_bytes", "output_size_in_bytes", "peak_bytes_in_use",
+                    "host_rss_before_bytes", "host_peak_rss_bytes",
                     "median_step_ms_ratio_to_reference", "machine"):
             assert key in r
         assert r["avg_step_ms"] > 0

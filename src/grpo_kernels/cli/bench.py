@@ -29,6 +29,28 @@ def _impl_list(text: str) -> list[str]:
     return list(dict.fromkeys(impls))
 
 
+def _proc_status_bytes(field: str) -> int | None:
+    """``VmRSS``/``VmHWM`` of this process in bytes (Linux), else None."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Resets the process's peak-RSS mark (Linux ``clear_refs``); False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def machine_description() -> dict[str, Any]:
     dev = jax.devices()[0]
     return {"backend": jax.default_backend(), "device": dev.device_kind,
@@ -49,12 +71,14 @@ def measure(impl: str, inp, config, iters: int, warmup: int, show_progress: bool
     memory = {f: getattr(analysis, f, None) for f in _MEMORY_FIELDS} if analysis else {}
     for _ in range(warmup):
         jax.block_until_ready(step(inp.logits))
+    rss_before = _proc_status_bytes("VmRSS") if _reset_peak_rss() else None
     times = []
     for _ in common.progress(range(iters), iters, f"bench {impl}", show_progress):
         t0 = time.perf_counter()
         jax.block_until_ready(step(inp.logits))
         times.append(time.perf_counter() - t0)
     stats = jax.devices()[0].memory_stats() or {}
+    peak = _proc_status_bytes("VmHWM") if rss_before is not None else None
     return {
         "impl": impl,
         "avg_step_ms": 1e3 * statistics.fmean(times),
@@ -63,6 +87,11 @@ def measure(impl: str, inp, config, iters: int, warmup: int, show_progress: bool
         "first_call_s": first_call_s,
         **memory,
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+        # Host memory around the timed steps (Linux): RSS before and the peak during them.
+        # Process-wide, so memory kept from earlier work (warm-up, other implementations)
+        # counts too; benchmarks/host_memory.py measures each implementation in a fresh process.
+        "host_rss_before_bytes": rss_before,
+        "host_peak_rss_bytes": peak,
     }
 
 
@@ -130,8 +159,7 @@ def run(args: argparse.Namespace) -> int:
               f"{args.iters} iters after {args.warmup} warm-up, {machine['backend']} "
               f"({machine['device']}), jax {machine['jax']}")
         cols = ["impl", "median_step_ms", "avg_step_ms", "first_call_s", "temp_size_in_bytes",
-                "peak_bytes_in_use", "median_step_ms_ratio_to_reference",
-                "temp_size_in_bytes_ratio_to_reference"]
+                "peak_bytes_in_use", "median_step_ms_ratio_to_reference", "temp_size_in_bytes_ratio_to_reference"]
         print(common.fmt_table(results, cols))
     common.log_wandb(args, "bench", {**shape, **config.to_dict()},
                      [{f"{r['impl']}/{k}": v for k, v in r.items()} for r in results])

@@ -73,7 +73,7 @@ class XlaBlockSizes:
 
 # Working-set targets per backend: a few MiB stays in a CPU's cache; an accelerator wants
 # enough rows per step to fill the chip.
-_DEFAULT_CHUNK_BYTES = {"cpu": 8 << 20, "gpu": 256 << 20, "tpu": 256 << 20}
+_DEFAULT_CHUNK_BYTES = {"cpu": 16 << 20, "gpu": 256 << 20, "tpu": 256 << 20}
 
 
 def plan_blocks(n_rows: int, vocab: int, blocks: XlaBlockSizes, backend: str) -> tuple[int, int]:
