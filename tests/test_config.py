@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from grpo_kernels import GRPOLossConfig
@@ -34,5 +36,5 @@ def test_from_dict_rejects_unknown_keys_by_name():
 def test_round_trip_and_frozen():
     cfg = GRPOLossConfig(loss_type="dapo", epsilon_high=0.28, delta=2.0, beta=0.04)
     assert GRPOLossConfig.from_dict(cfg.to_dict()) == cfg
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.beta = 1.0  # type: ignore[misc]

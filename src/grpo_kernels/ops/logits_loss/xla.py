@@ -198,7 +198,7 @@ def row_statistics(
         out, zz = carry
         zz = _loop_carried(zz)
         stats = (whole_rows if block_v >= vocab else vocab_blocks)(start, size, zz)
-        out = tuple(jax.lax.dynamic_update_slice_in_dim(o, x, start, 0) for o, x in zip(out, stats))
+        out = tuple(jax.lax.dynamic_update_slice_in_dim(o, x, start, 0) for o, x in zip(out, stats, strict=True))
         return out, zz
 
     init = tuple(jnp.zeros((n,), _F32) for _ in range(4))
