@@ -71,8 +71,8 @@ class XlaBlockSizes:
                 raise ValueError(f"XlaBlockSizes.{name} must be None or an int >= 1, got {value!r}")
 
 
-# Working-set targets per backend: a few MiB stays in a CPU's cache; an accelerator wants
-# enough rows per step to fill the chip.
+# Working-set targets per backend. CPU: 8-16 MiB measured fastest on the 2-core development
+# machine (docs/xla.md); an accelerator wants enough rows per step to fill the chip.
 _DEFAULT_CHUNK_BYTES = {"cpu": 16 << 20, "gpu": 256 << 20, "tpu": 256 << 20}
 
 
@@ -147,7 +147,7 @@ def _merge_stats(a: tuple[Array, Array, Array], b: tuple[Array, Array, Array]):
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
 
     def rebase(mx, sx, qx):
-        # sum e^{s-m_new} = e^{m_x-m_new} S_x ; sum e^{s-m_new}(s-m_new) = e^{..}(Q_x + S_x (m_x-m_new))
+        # sum e^{s-m'} = e^{m_x-m'} S_x;  sum e^{s-m'}(s-m') = e^{m_x-m'} (Q_x + S_x (m_x-m'))
         scale = jnp.where(sx > 0, jnp.exp(mx - m_safe), 0.0)
         return scale * sx, scale * (qx + jnp.where(sx > 0, sx * (mx - m_safe), 0.0))
 
@@ -198,7 +198,8 @@ def row_statistics(
         out, zz = carry
         zz = _loop_carried(zz)
         stats = (whole_rows if block_v >= vocab else vocab_blocks)(start, size, zz)
-        out = tuple(jax.lax.dynamic_update_slice_in_dim(o, x, start, 0) for o, x in zip(out, stats, strict=True))
+        out = tuple(jax.lax.dynamic_update_slice_in_dim(o, x, start, 0)
+                    for o, x in zip(out, stats, strict=True))
         return out, zz
 
     init = tuple(jnp.zeros((n,), _F32) for _ in range(4))
