@@ -112,6 +112,14 @@ def test_bench_reports_time_memory_and_ratios(capsys):
     assert recs[1]["gate_temp"] is True
 
 
+def test_bench_with_donated_logits(capsys):
+    code, recs = run_json(capsys, ["bench", "--format", "json", "--donate", "--batch", "2",
+                                   "--time", "8", "--vocab", "128", "--iters", "2", "--warmup", "1"])
+    assert code == 0 and all(r["donate"] for r in recs)
+    # dlogits take the donated logits' buffer in both implementations.
+    assert all(r["alias_size_in_bytes"] == 2 * 8 * 128 * 2 for r in recs)
+
+
 def test_bench_table_format(capsys):
     assert main(["bench", "--format", "table", "--batch", "1", "--time", "4", "--vocab", "64",
                  "--iters", "1", "--warmup", "0"]) == 0

@@ -58,25 +58,38 @@ def machine_description() -> dict[str, Any]:
             "cpu": platform.processor() or platform.machine(), "python": platform.python_version()}
 
 
-def measure(impl: str, inp, config, iters: int, warmup: int, show_progress: bool) -> dict[str, Any]:
-    """Compiles and times ``jit(value_and_grad(loss))`` of one implementation."""
+def measure(impl: str, inp, config, iters: int, warmup: int, show_progress: bool,
+            donate: bool = False) -> dict[str, Any]:
+    """Compiles and times ``jit(value_and_grad(loss))`` of one implementation.
+
+    With ``donate`` the logits are donated to the step (dlogits may take their buffer); every
+    call then gets a fresh copy of the logits, made outside the timed region.
+    """
     fn = lambda z: grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=config,  # noqa: E731
                              impl=impl, **inp.kwargs())
-    step = jax.jit(jax.value_and_grad(fn, has_aux=True))
-    t0 = time.perf_counter()
-    jax.block_until_ready(step(inp.logits))
-    first_call_s = time.perf_counter() - t0
+    step = jax.jit(jax.value_and_grad(fn, has_aux=True), donate_argnums=(0,) if donate else ())
+
+    def logits():
+        return jax.block_until_ready(inp.logits + 0) if donate else inp.logits
+
+    def timed_call() -> float:
+        z = logits()
+        t0 = time.perf_counter()
+        out = step(z)
+        jax.block_until_ready(out)
+        elapsed = time.perf_counter() - t0
+        del out, z
+        return elapsed
+
+    first_call_s = timed_call()
     compiled = step.lower(inp.logits).compile()
     analysis = compiled.memory_analysis()
     memory = {f: getattr(analysis, f, None) for f in _MEMORY_FIELDS} if analysis else {}
     for _ in range(warmup):
-        jax.block_until_ready(step(inp.logits))
+        timed_call()
     rss_before = _proc_status_bytes("VmRSS") if _reset_peak_rss() else None
-    times = []
-    for _ in common.progress(range(iters), iters, f"bench {impl}", show_progress):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(inp.logits))
-        times.append(time.perf_counter() - t0)
+    times = [timed_call() for _ in common.progress(range(iters), iters, f"bench {impl}",
+                                                     show_progress)]
     stats = jax.devices()[0].memory_stats() or {}
     peak = _proc_status_bytes("VmHWM") if rss_before is not None else None
     return {
@@ -111,6 +124,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--donate", action="store_true",
+                   help="donate the logits to every implementation's step (jit donate_argnums)")
     p.add_argument("--max-time-ratio", type=float,
                    help="exit 1 unless every non-reference median time <= this x reference")
     p.add_argument("--max-temp-ratio", type=float,
@@ -133,10 +148,10 @@ def run(args: argparse.Namespace) -> int:
     inp = random_inputs(args.seed, args.batch, args.time, args.vocab, parse_dtype(args.dtype),
                         config)
     shape = {"batch": args.batch, "time": args.time, "vocab": args.vocab, "dtype": args.dtype,
-             "iters": args.iters, "warmup": args.warmup}
+             "iters": args.iters, "warmup": args.warmup, "donate": args.donate}
     machine = machine_description()
-    results = [measure(i, inp, config, args.iters, args.warmup, args.format != "json")
-               for i in impls]
+    results = [measure(i, inp, config, args.iters, args.warmup, args.format != "json",
+                       donate=args.donate) for i in impls]
     ref = results[0]
     ok = True
     for r in results:
@@ -155,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
         if args.format != "table":
             print(json.dumps(r))
     if args.format != "json":
-        print(f"\nbench B={args.batch} T={args.time} V={args.vocab} {args.dtype}, "
+        print(f"\nbench B={args.batch} T={args.time} V={args.vocab} {args.dtype}"
+              f"{', logits donated' if args.donate else ''}, "
               f"{args.iters} iters after {args.warmup} warm-up, {machine['backend']} "
               f"({machine['device']}), jax {machine['jax']}")
         cols = ["impl", "median_step_ms", "avg_step_ms", "first_call_s", "temp_size_in_bytes",
