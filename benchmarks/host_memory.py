@@ -20,6 +20,7 @@ _CHILD = r"""
 import json, sys
 import numpy as np, ml_dtypes, jax, jax.numpy as jnp
 from grpo_kernels import GRPOLossConfig, grpo_loss
+from grpo_kernels.cli.bench import proc_status_bytes, reset_peak_rss
 impl, B, T, V, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
 rng = np.random.default_rng(0)
@@ -37,15 +38,12 @@ fn = lambda x: grpo_loss(x, ids, mask, adv, config=cfg, impl=impl, old_logps=old
 step = jax.jit(jax.value_and_grad(fn, has_aux=True))
 step.lower(z).compile()
 import gc; gc.collect()
-def status(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-open("/proc/self/clear_refs", "w").write("5")
-before = status("VmRSS")
+if not reset_peak_rss():
+    sys.exit("needs Linux /proc/self/clear_refs to reset the peak-RSS mark")
+before = proc_status_bytes("VmRSS")
 for _ in range(2):
     out = step(z); jax.block_until_ready(out); del out
-peak = status("VmHWM")
+peak = proc_status_bytes("VmHWM")
 print(json.dumps({"impl": impl, "rss_before_bytes": before, "peak_rss_bytes": peak,
                   "step_increase_bytes": peak - before,
                   "dlogits_bytes": int(np.prod(z.shape)) * z.dtype.itemsize}))
