@@ -9,7 +9,9 @@ one bf16 ``[rows, vocab]`` array, probing how XLA's CPU backend treats the build
 - writing a bf16 buffer chunk by chunk in a loop: carried bf16 buffer, ``lax.map`` outputs,
   a carried ``uint16`` view, against one elementwise pass with no loop;
 - the statistics sweep with and without the loop-carried ``optimization_barrier``;
-- the gradient kernel alone, with a fresh and with a donated output, against a bare scale;
+- the statistics sweep with the exact row max against the probed shift;
+- the gradient kernel alone, with a fresh and with a donated output, against a bare scale, and
+  XLA's float32 -> bfloat16 convert against the integer rounding of ``to_bfloat16``;
 - the cost of the entropy metric (loss with metrics used vs unused).
 """
 
@@ -44,6 +46,13 @@ def report(name, f, z, iters, donate=False):
     make = (lambda: (z + 0,)) if donate else (lambda: (z,))
     ms = timed(jf, make, iters)
     print(f"{name:58s} {ms:8.1f} ms   temp {temp / 2**20:8.1f} MiB", flush=True)
+
+
+def logits_gradient_astype(z, ids, lse, g):
+    """The shipped gradient kernel but with XLA's own float32 -> bfloat16 convert."""
+    p = jnp.exp(z.astype(jnp.float32) - lse[:, None])
+    hit = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1) == ids[:, None]
+    return jnp.where(hit, g[:, None] * (1.0 - p), -g[:, None] * p).astype(z.dtype)
 
 
 def main() -> None:
@@ -104,14 +113,22 @@ def main() -> None:
         return X._sweep(n, rows, chunk, tuple(jnp.zeros((n,), jnp.float32) for _ in range(3)))
 
     report("uint16 view taken outside the loop", stats_hoistable, z, it)
-    report("loop-carried logits behind optimization_barrier (shipped)",
+    report("loop-carried logits behind optimization_barrier, exact row max",
+           lambda x: X.row_statistics(x, ids, 1.0, rows, v, probe_width=v), z, it)
+    report("same, shift = max of the first V/16 columns (shipped)",
            lambda x: X.row_statistics(x, ids, 1.0, rows, v), z, it)
 
     print("-- gradient kernel")
     grad = lambda x: X.logits_gradient(x, ids, lse, g, 1.0)  # noqa: E731
     report("gradient kernel, fresh output", grad, z, it)
     report("gradient kernel, donated input (in place)", grad, z, it, donate=True)
+    report("gradient kernel, output rounded with astype (XLA convert)",
+           lambda x: logits_gradient_astype(x, ids, lse, g), z, it)
     report("bare bf16 scale, fresh output", lambda x: x * 2, z, it)
+    report("bare bf16 scale, float32 math, astype to bf16",
+           lambda x: (x.astype(jnp.float32) * 2).astype(jnp.bfloat16), z, it)
+    report("bare bf16 scale, float32 math, integer rounding (shipped)",
+           lambda x: X.to_bfloat16(x.astype(jnp.float32) * 2), z, it)
     report("fused exp + row sum (a floor for one statistics read)",
            lambda x: jnp.sum(jnp.exp(x.astype(jnp.float32)), axis=1), z, it)
 

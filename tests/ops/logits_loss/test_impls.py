@@ -165,3 +165,43 @@ def test_xla_never_holds_a_float32_copy_of_the_logits():
     baseline = temp_bytes("reference")
     assert baseline > f32_copy  # the baseline does hold float32 copies
     assert temp_bytes("xla") <= 0.05 * baseline
+
+
+def test_integer_bfloat16_rounding_matches_astype_bit_for_bit():
+    from grpo_kernels.ops.logits_loss.xla import to_bfloat16
+
+    bits = np.random.default_rng(7).integers(0, 2**32, size=200_000, dtype=np.uint64)
+    special = np.array([np.inf, -np.inf, 0.0, -0.0, 1e-40, -3e-42, 3.3e38, -3.39e38, 1.0 + 2**-8,
+                        1.0 + 3 * 2**-8], np.float32)
+    x = np.concatenate([bits.astype(np.uint32).view(np.float32), special])
+    ours = np.asarray(jax.jit(to_bfloat16)(x)).view(np.uint16)
+    xla = np.asarray(jnp.asarray(x).astype(jnp.bfloat16)).view(np.uint16)
+    nan = np.isnan(x)
+    assert nan.any() and (~nan).sum() > 100_000
+    np.testing.assert_array_equal(ours[~nan], xla[~nan])
+    assert np.isnan(ours[nan].view(jnp.bfloat16).astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_xla_shift_shortcut_falls_back_when_the_row_max_is_past_the_probe(dtype):
+    """The statistics sweep shifts each row by the max of its first columns; a row whose real
+    max lies beyond them by more than float32's exp range must take the exact path."""
+    from grpo_kernels.ops.logits_loss.xla import row_statistics, shift_probe_width
+
+    n, v = 24, 3000
+    probe = shift_probe_width(v)
+    assert probe < v
+    z = jax.random.normal(jax.random.PRNGKey(3), (n, v), jnp.float32) * 2
+    z = z.at[1, probe + 7].set(150.0)  # exp(150 - ~6) overflows float32
+    z = z.at[9, :probe].set(-jnp.inf)  # no finite shift in the probe columns
+    z = z.at[17, -1].set(40.0)  # past the probe but safe: the shortcut is exact enough
+    z = z.astype(dtype)
+    head_max = np.max(np.asarray(z[1, :probe], np.float32))
+    assert 150.0 - head_max > np.log(np.finfo(np.float32).max)  # the shortcut would overflow
+    ids = jax.random.randint(jax.random.PRNGKey(4), (n,), 0, v)
+    for rows in (8, 5):  # whole chunks, and a ragged tail chunk
+        logp, lse, ent = jax.jit(lambda x, i: row_statistics(x, i, 0.7, rows, v))(z, ids)
+        want_logp, want_ent = token_logp_and_entropy(z[None], ids[None], 0.7)
+        for got, want in ((logp, want_logp[0]), (ent, want_ent[0])):
+            assert bool(jnp.all(jnp.isfinite(got)))
+            np.testing.assert_allclose(as64(got), as64(want), rtol=1e-5, atol=2e-5)
