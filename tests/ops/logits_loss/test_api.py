@@ -90,10 +90,12 @@ def test_auto_resolves_to_an_implementation():
     assert float(loss_auto) == float(loss_xla)
 
 
-def test_block_sizes_only_for_xla():
-    from grpo_kernels import XlaBlockSizes
+def test_block_sizes_match_the_impl():
+    from grpo_kernels import PallasOptions, XlaBlockSizes
 
-    with pytest.raises(ValueError, match="block_sizes applies to impl='xla' only"):
-        grpo_loss(**good(), config=CFG, impl="reference", block_sizes=XlaBlockSizes())
+    for impl, blocks in (("reference", XlaBlockSizes()), ("pallas", XlaBlockSizes()),
+                         ("xla", PallasOptions())):
+        with pytest.raises(ValueError, match="block_sizes must be XlaBlockSizes for impl='xla'"):
+            grpo_loss(**good(), config=CFG, impl=impl, block_sizes=blocks)
     with pytest.raises(ValueError, match="XlaBlockSizes.chunk_tokens must be None or an int >= 1"):
         XlaBlockSizes(chunk_tokens=0)

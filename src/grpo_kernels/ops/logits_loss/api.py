@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.ops.logits_loss.pallas import PallasOptions, pallas_grpo_loss
 from grpo_kernels.ops.logits_loss.reference import reference_grpo_loss
 from grpo_kernels.ops.logits_loss.xla import XlaBlockSizes, xla_grpo_loss
 
@@ -17,6 +18,7 @@ Array = jax.Array
 IMPLEMENTATIONS: dict[str, Callable[..., tuple[Array, dict[str, Array]]]] = {
     "reference": reference_grpo_loss,
     "xla": xla_grpo_loss,
+    "pallas": pallas_grpo_loss,
 }
 IMPL_CHOICES: tuple[str, ...] = ("auto", *IMPLEMENTATIONS)
 
@@ -96,7 +98,9 @@ def default_impl(backend: str | None = None) -> str:
     """The implementation ``impl="auto"`` resolves to on ``backend`` (default: JAX's).
 
     ``xla`` on every backend for now: it beats ``reference`` in time and memory on CPU (see
-    docs/benchmarks.md); the Pallas kernels will take over on TPU/GPU where they measure faster.
+    docs/benchmarks.md). ``pallas`` runs only interpreted on CPU, and has no TPU/GPU bench
+    recorded yet; it should become the choice on a backend once a bench there shows it ahead
+    of ``xla`` (docs/kernels.md).
     """
     del backend
     return "xla"
@@ -114,7 +118,7 @@ def grpo_loss(
     num_items_in_batch: Array | float | None = None,
     impl: str = "auto",
     check_ids: bool = False,
-    block_sizes: XlaBlockSizes | None = None,
+    block_sizes: XlaBlockSizes | PallasOptions | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     r"""GRPO policy loss with Hugging Face TRL GRPOTrainer semantics.
 
@@ -145,10 +149,11 @@ def grpo_loss(
       old_logps: ``[B, T]`` sampling-policy log-probs; ``None``: on-policy.
       ref_logps: ``[B, T]`` reference log-probs; required when ``config.beta > 0``.
       num_items_in_batch: ``dapo`` normaliser (default: the number of unmasked tokens).
-      impl: ``"auto"``, ``"reference"`` or ``"xla"``.
+      impl: ``"auto"``, ``"reference"``, ``"xla"`` or ``"pallas"`` (TPU/GPU kernels; interpret
+        mode on CPU, for tests only).
       check_ids: Raise ValueError when an unmasked id is outside ``[0, V)`` (at call time for
         concrete inputs, at run time under ``jit``).
-      block_sizes: Chunking override for ``impl="xla"``.
+      block_sizes: ``XlaBlockSizes`` for ``impl="xla"``, ``PallasOptions`` for ``impl="pallas"``.
 
     Returns:
       ``(loss, metrics)``: the float32 scalar loss, differentiable w.r.t. ``logits`` (gradient in
@@ -170,8 +175,11 @@ def grpo_loss(
         num_items_in_batch=None if num_items_in_batch is None
         else jnp.asarray(num_items_in_batch, jnp.float32),
     )
-    if impl == "xla":
+    wants = {"xla": XlaBlockSizes, "pallas": PallasOptions}.get(impl)
+    if block_sizes is not None and (wants is None or not isinstance(block_sizes, wants)):
+        raise ValueError(
+            "block_sizes must be XlaBlockSizes for impl='xla' or PallasOptions for "
+            f"impl='pallas', got {type(block_sizes).__name__} with impl={impl!r}")
+    if wants is not None:
         kwargs["block_sizes"] = block_sizes
-    elif block_sizes is not None:
-        raise ValueError(f"block_sizes applies to impl='xla' only, got impl={impl!r}")
     return IMPLEMENTATIONS[impl](logits, ids, mask, advantages, **kwargs)

@@ -294,7 +294,7 @@ def _forward(logits, ids, mask, advantages, old, ref, num_items, *, config, rows
     return loss, metrics, dlogits
 
 
-def _zero_cotangent(x: Array | None):
+def zero_cotangent(x: Array | None):
     if x is None:
         return None
     if jnp.issubdtype(x.dtype, jnp.inexact):
@@ -337,7 +337,7 @@ def xla_grpo_loss(
     def loss_bwd(res, cotangents):
         dlogits, rest = res
         scaled = cast_to(dlogits.astype(_F32) * cotangents[0].astype(_F32), dlogits.dtype)
-        return scaled, jax.tree.map(_zero_cotangent, rest, is_leaf=lambda x: x is None)
+        return scaled, jax.tree.map(zero_cotangent, rest, is_leaf=lambda x: x is None)
 
     loss_fn.defvjp(loss_fwd, loss_bwd)
     return loss_fn(logits, rest)

@@ -1,0 +1,252 @@
+r"""Pallas TPU (Mosaic) kernels for the logits-level GRPO loss.
+
+The logits are ``N = B*T`` rows of ``V``. Two kernels, both on a 1-D grid over blocks of
+``block_rows`` rows whose dimension is ``"parallel"`` (batch and time both feed it, and a
+megacore chip splits it across its cores):
+
+* :func:`row_statistics`: for each row, with ``s = z / tau``, a vocabulary-tiled online
+  logsumexp in float32 that carries, per row, the running max ``m``, ``S = sum e^{s-m}``,
+  ``Q = sum e^{s-m}(s-m)`` and the chosen logit ``s_y`` in the same sweep. Tiles are rebased with
+  the online-softmax rule when the max grows. Outputs ``logp = s_y - lse``, ``lse = m + log S``
+  and the entropy ``H = log S - Q/S``, each ``[N, 1]`` float32.
+* :func:`logits_gradient`: ``dz = c (onehot(y) - e^{s - lse})`` per tile, written in the logits
+  dtype, where ``c = g * cotangent / tau`` is one float32 per row. It can write into the logits
+  buffer (``input_output_aliases``).
+
+Layout. A block is ``[block_rows, V]``: whole rows go from HBM to VMEM in one DMA per grid step
+(the pipeline prefetches the next block while the current one is swept), and the kernel tiles
+the vocabulary *inside* VMEM in ``block_vocab`` columns with a ``fori_loop`` and a static,
+narrower last tile. A ragged ``V`` (151,643 for Qwen2.5) is therefore handled in the kernel:
+nothing is padded and no read leaves the array. The row block's second-minor size is a multiple
+of 8 (float32) or 16 (bfloat16), as TPU tiling wants; per-row inputs and outputs are ``[N, 1]``
+columns whose block ``[block_rows, 1]`` spans the full minor dimension, valid for any ``B``.
+Rows beyond the last full block (``N mod block_rows``) go through one more call on a small copy
+of just those rows, so no block ever reads past the array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+Array = jax.Array
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuBlocks:
+    """Tiling of the TPU kernels: rows per grid step, vocabulary tile, scoped VMEM limit."""
+
+    block_rows: int
+    block_vocab: int
+    vmem_limit_bytes: int
+
+
+# (generation) -> (VMEM bytes the double-buffered blocks of the backward may use, scoped limit).
+# v5e/v6e have 128 MiB of VMEM, v7x 64 MiB, v4 and v5p less per core in practice; the block
+# budget leaves room for the in-kernel float32 tiles.
+_VMEM_TABLE = {
+    "v4": (12 << 20, 24 << 20),
+    "v5p": (24 << 20, 48 << 20),
+    "v5e": (24 << 20, 48 << 20),
+    "v6e": (24 << 20, 48 << 20),
+    "v7x": (24 << 20, 48 << 20),
+}
+_DEFAULT_GENERATION = "v6e"
+
+
+def tpu_generation() -> str:
+    """``v4``/``v5e``/``v5p``/``v6e``/``v7x`` from the first device, else the default."""
+    kind = jax.devices()[0].device_kind.lower() if jax.devices() else ""
+    if "tpu" not in kind:
+        return _DEFAULT_GENERATION
+    for key, gen in (("v4", "v4"), ("v5 lite", "v5e"), ("v5e", "v5e"), ("v5p", "v5p"),
+                     ("v5", "v5p"), ("v6", "v6e"), ("7", "v7x")):
+        if key in kind:
+            return gen
+    return _DEFAULT_GENERATION
+
+
+def plan_blocks(vocab: int, dtype: Any, generation: str | None = None,
+                block_rows: int | None = None, block_vocab: int | None = None) -> TpuBlocks:
+    """Block sizes from the ``(V, dtype, generation)`` heuristic, with overrides.
+
+    ``block_rows``: as many rows as let the backward's four ``[rows, V]`` buffers (logits and
+    dlogits, double-buffered) fit the generation's VMEM budget, rounded down to the dtype's
+    sublane tile (8 for 4-byte, 16 for 2-byte types), at least one tile and at most 512.
+    ``block_vocab``: 2048 columns (a multiple of 128; 16 rows x 2048 float32 is 128 KiB per
+    in-kernel temporary), fewer for a small ``V``.
+    """
+    itemsize = jnp.dtype(dtype).itemsize
+    tile = 8 * max(1, 4 // itemsize)
+    budget, limit = _VMEM_TABLE.get(generation or tpu_generation(), _VMEM_TABLE["v6e"])
+    if block_rows is None:
+        rows = budget // (4 * vocab * itemsize)
+        block_rows = max(tile, min(512, rows // tile * tile))
+    if block_vocab is None:
+        block_vocab = min(2048, -(-vocab // 128) * 128)
+    needed = 4 * block_rows * vocab * itemsize + (8 << 20)
+    return TpuBlocks(block_rows, block_vocab, max(limit, needed))
+
+
+def _vocab_tiles(vocab: int, block_vocab: int, body, carry):
+    """Runs ``body(start, width, carry)`` over ``[0, vocab)``: full tiles in a loop, then the
+    ragged tail with a static start and width (so reads stay inside the VMEM block)."""
+    full, tail = divmod(vocab, block_vocab)
+    if full == 1:
+        carry = body(0, block_vocab, carry)
+    elif full > 1:
+        carry = jax.lax.fori_loop(
+            0, full, lambda j, c: body(pl.multiple_of(j * block_vocab, 128), block_vocab, c),
+            carry)
+    if tail:
+        carry = body(full * block_vocab, tail, carry)
+    return carry
+
+
+def _stats_kernel(x_ref, ids_ref, logp_ref, lse_ref, ent_ref, *, block_vocab, inv_tau):
+    rows, vocab = x_ref.shape
+    ids = ids_ref[...]
+
+    def tile(start, width, carry):
+        m, s, q, chosen = carry
+        x = x_ref[:, pl.ds(start, width)].astype(_F32) * inv_tau
+        cols = start + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)
+        chosen = chosen + jnp.sum(jnp.where(cols == ids, x, 0.0), axis=1, keepdims=True)
+        m_new = jnp.maximum(m, jnp.max(x, axis=1, keepdims=True))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        # Rebase the running sums from the old shift to m_safe (zero while nothing is summed).
+        alpha = jnp.where(s > 0, jnp.exp(m - m_safe), 0.0)
+        q = alpha * (q + jnp.where(s > 0, s * (m - m_safe), 0.0))
+        shifted = x - m_safe
+        e = jnp.exp(shifted)
+        s = alpha * s + jnp.sum(e, axis=1, keepdims=True)
+        q = q + jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=1, keepdims=True)
+        return m_new, s, q, chosen
+
+    zeros = jnp.zeros((rows, 1), _F32)
+    init = (jnp.full((rows, 1), -jnp.inf, _F32), zeros, zeros, zeros)
+    m, s, q, chosen = _vocab_tiles(vocab, block_vocab, tile, init)
+    log_s = jnp.log(s)
+    lse = m + log_s
+    logp_ref[...] = chosen - lse
+    lse_ref[...] = lse
+    ent_ref[...] = log_s - q / s
+
+
+def _grad_kernel(x_ref, ids_ref, lse_ref, coef_ref, o_ref, *, block_vocab, inv_tau):
+    rows, vocab = x_ref.shape
+    ids, lse, coef = ids_ref[...], lse_ref[...], coef_ref[...]
+
+    def tile(start, width, carry):
+        x = x_ref[:, pl.ds(start, width)].astype(_F32) * inv_tau
+        p = jnp.exp(x - lse)
+        cols = start + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)
+        o_ref[:, pl.ds(start, width)] = (
+            coef * jnp.where(cols == ids, 1.0 - p, -p)).astype(o_ref.dtype)
+        return carry
+
+    _vocab_tiles(vocab, block_vocab, tile, 0)
+
+
+def _compiler_params(blocks: TpuBlocks):
+    return pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                vmem_limit_bytes=blocks.vmem_limit_bytes)
+
+
+def _row_spec(rows: int, width: int):
+    return pl.BlockSpec((rows, width), lambda i: (i, 0))
+
+
+def _interpret_arg(interpret: bool):
+    return pltpu.InterpretParams(out_of_bounds_reads="raise") if interpret else False
+
+
+def _split_rows(n: int, block_rows: int) -> tuple[int, int]:
+    """``(rows in full blocks, leftover rows)``."""
+    main = n // block_rows * block_rows
+    return main, n - main
+
+
+def row_statistics(z: Array, ids: Array, temperature: float, blocks: TpuBlocks,
+                   interpret: bool = False) -> tuple[Array, Array, Array]:
+    """``(logp, lse, entropy)``, each ``[N]`` float32, of ``softmax(z / temperature)``.
+
+    Args:
+      z: ``[N, V]`` logits (bfloat16 or float32).
+      ids: ``[N]`` int32 ids in ``[0, V)``.
+      temperature: Softmax temperature.
+      blocks: Tiling (:func:`plan_blocks`).
+      interpret: Run in TPU interpret mode on the CPU, raising on any out-of-bounds read.
+    """
+    n, vocab = z.shape
+    ids = ids.astype(jnp.int32).reshape(n, 1)
+    kernel = functools.partial(_stats_kernel, block_vocab=blocks.block_vocab,
+                               inv_tau=1.0 / temperature)
+
+    def call(zz, ii, rows, grid):
+        out = jax.ShapeDtypeStruct((rows * grid, 1), _F32)
+        return pl.pallas_call(
+            kernel, grid=(grid,), out_shape=(out, out, out),
+            in_specs=[_row_spec(rows, vocab), _row_spec(rows, 1)],
+            out_specs=(_row_spec(rows, 1),) * 3,
+            compiler_params=_compiler_params(blocks), interpret=_interpret_arg(interpret),
+            name="grpo_row_statistics",
+        )(zz, ii)
+
+    main, rest = _split_rows(n, blocks.block_rows)
+    parts = []
+    if main:
+        parts.append(call(z, ids, blocks.block_rows, main // blocks.block_rows))
+    if rest:  # the leftover rows: one block that spans all of a small copy of them
+        parts.append(call(z[main:], ids[main:], rest, 1))
+    logp, lse, ent = (jnp.concatenate([p[k] for p in parts])[:, 0] for k in range(3))
+    return logp, lse, ent
+
+
+def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: float,
+                    blocks: TpuBlocks, interpret: bool = False,
+                    alias_logits: bool = False) -> Array:
+    """``coef (onehot(ids) - exp(z / temperature - lse))`` as ``[N, V]`` in ``z.dtype``.
+
+    Args:
+      z: ``[N, V]`` logits.
+      ids, lse, coef: ``[N]`` int32 ids, float32 logsumexp, float32 per-row factor.
+      temperature, blocks, interpret: as :func:`row_statistics`.
+      alias_logits: Write dlogits into the logits' buffer (``input_output_aliases``) when
+        ``N`` is a multiple of ``blocks.block_rows``; XLA only avoids a copy when the logits
+        are otherwise dead (e.g. donated).
+    """
+    n, vocab = z.shape
+    cols = [ids.astype(jnp.int32).reshape(n, 1), lse.astype(_F32).reshape(n, 1),
+            coef.astype(_F32).reshape(n, 1)]
+    kernel = functools.partial(_grad_kernel, block_vocab=blocks.block_vocab,
+                               inv_tau=1.0 / temperature)
+
+    def call(zz, per_row, rows, grid, out_rows, alias):
+        return pl.pallas_call(
+            kernel, grid=(grid,), out_shape=jax.ShapeDtypeStruct((out_rows, vocab), z.dtype),
+            in_specs=[_row_spec(rows, vocab)] + [_row_spec(rows, 1)] * 3,
+            out_specs=_row_spec(rows, vocab),
+            input_output_aliases={0: 0} if alias else {},
+            compiler_params=_compiler_params(blocks), interpret=_interpret_arg(interpret),
+            name="grpo_logits_gradient",
+        )(zz, *per_row)
+
+    main, rest = _split_rows(n, blocks.block_rows)
+    if not rest:
+        return call(z, cols, blocks.block_rows, n // blocks.block_rows, n, alias_logits)
+    tail = call(z[main:], [c[main:] for c in cols], rest, 1, rest, False)
+    if not main:
+        return tail
+    # The full blocks write rows [0, main) of an [N, V] output; the leftover rows go in with an
+    # in-place dynamic_update_slice (no second [N, V] buffer). Aliasing applies only when N is
+    # a multiple of block_rows (B*T at real shapes), where the blocks cover the whole buffer.
+    out = call(z, cols, blocks.block_rows, main // blocks.block_rows, n, False)
+    return jax.lax.dynamic_update_slice_in_dim(out, tail, main, 0)
