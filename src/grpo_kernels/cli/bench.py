@@ -6,6 +6,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -150,6 +151,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if "pallas" in impls and jax.default_backend() == "cpu":
+        print("bench: note: on CPU the pallas kernels run in interpret mode (a test tool, orders "
+              "of magnitude slower); its times say nothing about TPU/GPU", file=sys.stderr)
     config = common.loss_config_from({}, args)
     inp = random_inputs(args.seed, args.batch, args.time, args.vocab, parse_dtype(args.dtype),
                         config)
