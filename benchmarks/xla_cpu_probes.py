@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from grpo_kernels import GRPOLossConfig, grpo_loss
 from grpo_kernels.ops.logits_loss import xla as X
+from grpo_kernels.ops.logits_loss.online_softmax import block_stats, sweep
 
 
 def timed(fn, make_args, iters):
@@ -107,10 +108,10 @@ def main() -> None:
         def chunk(start, size, out):
             blk = jax.lax.bitcast_convert_type(
                 jax.lax.dynamic_slice(bits, (start, 0), (size, v)), jnp.bfloat16)
-            m, s, q = X._block_stats(blk.astype(jnp.float32))
+            m, s, q = block_stats(blk.astype(jnp.float32))
             return tuple(jax.lax.dynamic_update_slice_in_dim(o, r, start, 0)
                          for o, r in zip(out, (m, s, q), strict=True))
-        return X._sweep(n, rows, chunk, tuple(jnp.zeros((n,), jnp.float32) for _ in range(3)))
+        return sweep(n, rows, chunk, tuple(jnp.zeros((n,), jnp.float32) for _ in range(3)))
 
     report("uint16 view taken outside the loop", stats_hoistable, z, it)
     report("loop-carried logits behind optimization_barrier, exact row max",

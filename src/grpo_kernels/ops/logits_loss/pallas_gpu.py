@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, merge_stats
+
 Array = jax.Array
 _F32 = jnp.float32
 
@@ -61,7 +63,7 @@ def _stats_kernel(x_ref, id_ref, logp_ref, lse_ref, ent_ref, *, block_vocab, inv
     offs = jnp.arange(block_vocab, dtype=jnp.int32)
 
     def tile(start, ragged, carry):
-        m, s, q, chosen = carry
+        stats, chosen = carry
         cols = start + offs
         if ragged:
             x = plgpu.load(x_ref.at[pl.ds(start, block_vocab)], mask=cols < vocab,
@@ -70,24 +72,12 @@ def _stats_kernel(x_ref, id_ref, logp_ref, lse_ref, ent_ref, *, block_vocab, inv
             x = plgpu.load(x_ref.at[pl.ds(start, block_vocab)])
         x = x.astype(_F32) * inv_tau
         chosen = chosen + jnp.sum(jnp.where(cols == y, x, 0.0))
-        m_new = jnp.maximum(m, jnp.max(x))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        alpha = jnp.where(s > 0, jnp.exp(m - m_safe), 0.0)
-        q = alpha * (q + jnp.where(s > 0, s * (m - m_safe), 0.0))
-        shifted = x - m_safe
-        e = jnp.exp(shifted)
-        s = alpha * s + jnp.sum(e)
-        q = q + jnp.sum(jnp.where(e > 0, e * shifted, 0.0))
-        return m_new, s, q, chosen
+        return merge_stats(stats, block_stats(x)), chosen
 
     zero = jnp.zeros((), _F32)
-    m, s, q, chosen = _sweep(vocab, block_vocab, tile, (jnp.full((), -jnp.inf, _F32), zero,
-                                                         zero, zero))
-    log_s = jnp.log(s)
-    lse = m + log_s
-    logp_ref[...] = chosen - lse
-    lse_ref[...] = lse
-    ent_ref[...] = log_s - q / s
+    stats, chosen = _sweep(vocab, block_vocab, tile,
+                           ((jnp.full((), -jnp.inf, _F32), zero, zero), zero))
+    logp_ref[...], lse_ref[...], ent_ref[...] = finish(*stats, chosen)
 
 
 def _grad_kernel(x_ref, id_ref, lse_ref, coef_ref, o_ref, *, block_vocab, inv_tau):

@@ -35,6 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, merge_stats, sweep
+
 Array = jax.Array
 _F32 = jnp.float32
 
@@ -96,18 +98,10 @@ def plan_blocks(vocab: int, dtype: Any, generation: str | None = None,
 
 
 def _vocab_tiles(vocab: int, block_vocab: int, body, carry):
-    """Runs ``body(start, width, carry)`` over ``[0, vocab)``: full tiles in a loop, then the
-    ragged tail with a static start and width (so reads stay inside the VMEM block)."""
-    full, tail = divmod(vocab, block_vocab)
-    if full == 1:
-        carry = body(0, block_vocab, carry)
-    elif full > 1:
-        carry = jax.lax.fori_loop(
-            0, full, lambda j, c: body(pl.multiple_of(j * block_vocab, 128), block_vocab, c),
-            carry)
-    if tail:
-        carry = body(full * block_vocab, tail, carry)
-    return carry
+    """:func:`sweep` over the vocabulary with 128-aligned tile starts; the ragged tail has a
+    static start and width, so reads stay inside the VMEM block."""
+    return sweep(vocab, block_vocab, body, carry,
+                 start=lambda j: pl.multiple_of(j * block_vocab, 128))
 
 
 def _stats_kernel(x_ref, ids_ref, logp_ref, lse_ref, ent_ref, *, block_vocab, inv_tau):
@@ -115,29 +109,16 @@ def _stats_kernel(x_ref, ids_ref, logp_ref, lse_ref, ent_ref, *, block_vocab, in
     ids = ids_ref[...]
 
     def tile(start, width, carry):
-        m, s, q, chosen = carry
+        stats, chosen = carry
         x = x_ref[:, pl.ds(start, width)].astype(_F32) * inv_tau
         cols = start + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)
         chosen = chosen + jnp.sum(jnp.where(cols == ids, x, 0.0), axis=1, keepdims=True)
-        m_new = jnp.maximum(m, jnp.max(x, axis=1, keepdims=True))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        # Rebase the running sums from the old shift to m_safe (zero while nothing is summed).
-        alpha = jnp.where(s > 0, jnp.exp(m - m_safe), 0.0)
-        q = alpha * (q + jnp.where(s > 0, s * (m - m_safe), 0.0))
-        shifted = x - m_safe
-        e = jnp.exp(shifted)
-        s = alpha * s + jnp.sum(e, axis=1, keepdims=True)
-        q = q + jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=1, keepdims=True)
-        return m_new, s, q, chosen
+        return merge_stats(stats, block_stats(x, keepdims=True)), chosen
 
     zeros = jnp.zeros((rows, 1), _F32)
-    init = (jnp.full((rows, 1), -jnp.inf, _F32), zeros, zeros, zeros)
-    m, s, q, chosen = _vocab_tiles(vocab, block_vocab, tile, init)
-    log_s = jnp.log(s)
-    lse = m + log_s
-    logp_ref[...] = chosen - lse
-    lse_ref[...] = lse
-    ent_ref[...] = log_s - q / s
+    init = ((jnp.full((rows, 1), -jnp.inf, _F32), zeros, zeros), zeros)
+    stats, chosen = _vocab_tiles(vocab, block_vocab, tile, init)
+    logp_ref[...], lse_ref[...], ent_ref[...] = finish(*stats, chosen)
 
 
 def _grad_kernel(x_ref, ids_ref, lse_ref, coef_ref, o_ref, *, block_vocab, inv_tau):

@@ -36,7 +36,7 @@ therefore slices a ``uint16`` view of bfloat16 logits and writes only float32 ro
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,7 @@ import numpy as np
 
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import grpo_objective, loss_metrics
+from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, merge_stats, sweep
 
 Array = jax.Array
 
@@ -90,22 +91,6 @@ def plan_blocks(n_rows: int, vocab: int, blocks: XlaBlockSizes, backend: str) ->
     return max(1, min(rows, n_rows)), block_v
 
 
-def _sweep(n: int, block: int, body: Callable[[Any, int, Any], Any], carry: Any) -> Any:
-    """Runs ``body(start, size, carry)`` over ``[0, n)`` in blocks that never overlap.
-
-    Full blocks go through a ``fori_loop`` (traced ``start``); the remainder, if any, is one more
-    call with a static ``start``, so no element is visited twice and nothing is padded.
-    """
-    full, tail = divmod(n, block)
-    if full == 1:
-        carry = body(0, block, carry)
-    elif full > 1:
-        carry = jax.lax.fori_loop(0, full, lambda i, c: body(i * block, block, c), carry)
-    if tail:
-        carry = body(full * block, tail, carry)
-    return carry
-
-
 def _load(z: Array, row: Any, rows: int, col: Any, cols: int, temperature: float) -> Array:
     """``z[row:row+rows, col:col+cols] / temperature`` in float32, ``z`` viewed as ``[N, V]``.
 
@@ -134,39 +119,9 @@ def _loop_carried(z: Array) -> Array:
     return jax.lax.optimization_barrier(z)
 
 
-def _block_stats(s: Array, m: Array | None = None) -> tuple[Array, Array, Array]:
-    """``(m, S, Q)`` of a float32 block ``s [C, W]`` (see module docstring).
-
-    ``m`` defaults to the row max. Any other finite per-row shift gives the same ``lse`` and
-    entropy (both are shift-invariant) as long as nothing overflows; :func:`row_statistics` uses
-    that with a cheaper shift and checks.
-    """
-    if m is None:
-        m = jnp.max(s, axis=1)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    shifted = s - m_safe[:, None]
-    e = jnp.exp(shifted)
-    return m, jnp.sum(e, axis=1), jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=1)
-
-
 def shift_probe_width(vocab: int) -> int:
     """Columns whose max serves as the softmax shift of a whole row (see :func:`row_statistics`)."""
     return min(vocab, max(512, vocab // 16))
-
-
-def _merge_stats(a: tuple[Array, Array, Array], b: tuple[Array, Array, Array]):
-    """Online-softmax merge of two ``(m, S, Q)`` triples over disjoint vocabulary blocks."""
-    (ma, sa, qa), (mb, sb, qb) = a, b
-    m = jnp.maximum(ma, mb)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-
-    def rebase(mx, sx, qx):
-        # sum e^{s-m'} = e^{m_x-m'} S_x;  sum e^{s-m'}(s-m') = e^{m_x-m'} (Q_x + S_x (m_x-m'))
-        scale = jnp.where(sx > 0, jnp.exp(mx - m_safe), 0.0)
-        return scale * sx, scale * (qx + jnp.where(sx > 0, sx * (mx - m_safe), 0.0))
-
-    (sa, qa), (sb, qb) = rebase(ma, sa, qa), rebase(mb, sb, qb)
-    return m, sa + sb, qa + qb
 
 
 def row_statistics(
@@ -200,15 +155,15 @@ def row_statistics(
         idc = jax.lax.dynamic_slice_in_dim(ids, start, size)
         chosen = jnp.take_along_axis(s, idc[:, None], axis=1)[:, 0]
         if probe >= vocab:
-            return (*_block_stats(s), chosen)
+            return (*block_stats(s), chosen)
         # Shift by the max of the first `probe` columns instead of the row max: it saves the
         # row-max pass (about a quarter of the sweep on CPU, docs/xla.md). The shift is a real
         # entry of the row, so S >= 1 (no underflow); overflow shows as a non-finite S or Q. Any
         # row where the shift is not finite, or S or Q is not, sends the whole chunk through the
         # exact row-max path, so the result never depends on the shortcut.
-        fast = _block_stats(s, jnp.max(s[:, :probe], axis=1))
+        fast = block_stats(s, jnp.max(s[:, :probe], axis=1))
         ok = jnp.all(jnp.isfinite(fast[0]) & jnp.isfinite(fast[1]) & jnp.isfinite(fast[2]))
-        exact = lambda zz: _block_stats(_load(zz, start, size, 0, vocab, temperature))  # noqa: E731
+        exact = lambda zz: block_stats(_load(zz, start, size, 0, vocab, temperature))  # noqa: E731
         return (*jax.lax.cond(ok, lambda zz: fast, exact, zz), chosen)
 
     def vocab_blocks(start, size, zz):
@@ -220,11 +175,11 @@ def row_statistics(
             s = _load(zz, start, size, col, width, temperature)
             cols = col + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
             chosen = acc[3] + jnp.sum(jnp.where(cols == idc, s, 0.0), axis=1)
-            return (*_merge_stats(acc[:3], _block_stats(s)), chosen), zz
+            return (*merge_stats(acc[:3], block_stats(s)), chosen), zz
 
         zeros = jnp.zeros((size,), _F32)
         init = (jnp.full((size,), -jnp.inf, _F32), zeros, zeros, zeros)
-        return _sweep(vocab, block_v, block, (init, zz))[0]
+        return sweep(vocab, block_v, block, (init, zz))[0]
 
     def chunk(start, size, carry):
         out, zz = carry
@@ -235,10 +190,8 @@ def row_statistics(
         return out, zz
 
     init = tuple(jnp.zeros((n,), _F32) for _ in range(4))
-    (m, total, q, chosen), _ = _sweep(n, rows, chunk, (init, z))
-    log_total = jnp.log(total)
-    lse = m + log_total
-    return chosen - lse, lse, log_total - q / total
+    stats, _ = sweep(n, rows, chunk, (init, z))
+    return finish(*stats)
 
 
 def to_bfloat16(x: Array) -> Array:

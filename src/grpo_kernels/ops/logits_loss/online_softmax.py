@@ -1,0 +1,85 @@
+r"""Online-softmax row statistics shared by the XLA implementation and the Pallas kernels.
+
+Per row, with ``s = z / tau`` and a shift ``m`` (normally the row max):
+
+.. math::
+
+    S = \sum_v e^{s_v - m},\quad Q = \sum_v e^{s_v - m}(s_v - m),\quad
+    \mathrm{lse} = m + \log S,\quad H = \log S - Q / S,\quad \log\pi(y) = s_y - \mathrm{lse}.
+
+A row swept in blocks keeps a running ``(m, S, Q)`` triple and folds each block's triple in with
+:func:`merge_stats`. The functions are pure ``jnp`` on any leading shape, so the same code runs in
+XLA and inside Pallas TPU and GPU kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+Stats = tuple[Array, Array, Array]
+
+
+def sweep(n: int, block: int, body: Callable[[Any, int, Any], Any], carry: Any, *,
+          start: Callable[[Any], Any] | None = None) -> Any:
+    """Runs ``body(start, size, carry)`` over ``[0, n)`` in blocks that never overlap.
+
+    Full blocks go through a ``fori_loop`` (traced start ``start(i)``, default ``i * block``;
+    a Pallas TPU kernel passes an alignment hint); the remainder, if any, is one more call with
+    a static start, so no element is visited twice and nothing is padded.
+    """
+    start = start or (lambda i: i * block)
+    full, tail = divmod(n, block)
+    if full == 1:
+        carry = body(0, block, carry)
+    elif full > 1:
+        carry = jax.lax.fori_loop(0, full, lambda i, c: body(start(i), block, c), carry)
+    if tail:
+        carry = body(full * block, tail, carry)
+    return carry
+
+
+def block_stats(s: Array, m: Array | None = None, keepdims: bool = False) -> Stats:
+    """``(m, S, Q)`` over the last axis of a float32 block ``s``.
+
+    ``m`` defaults to the row max. Any other finite shift gives the same ``lse`` and entropy
+    (both are shift-invariant) as long as nothing overflows. With ``keepdims`` the results keep
+    a size-1 last axis (and a given ``m`` must have it too).
+    """
+    if m is None:
+        m = jnp.max(s, axis=-1, keepdims=True)
+    elif not keepdims:
+        m = m[..., None]
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    shifted = s - m_safe
+    e = jnp.exp(shifted)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    q = jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=-1, keepdims=True)
+    if keepdims:
+        return m, total, q
+    return m[..., 0], total[..., 0], q[..., 0]
+
+
+def merge_stats(a: Stats, b: Stats) -> Stats:
+    """Online-softmax merge of two ``(m, S, Q)`` triples over disjoint parts of a row."""
+    (ma, sa, qa), (mb, sb, qb) = a, b
+    m = jnp.maximum(ma, mb)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+
+    def rebase(mx, sx, qx):
+        # sum e^{s-m'} = e^{m_x-m'} S_x;  sum e^{s-m'}(s-m') = e^{m_x-m'} (Q_x + S_x (m_x-m'))
+        scale = jnp.where(sx > 0, jnp.exp(mx - m_safe), 0.0)
+        return scale * sx, scale * (qx + jnp.where(sx > 0, sx * (mx - m_safe), 0.0))
+
+    (sa, qa), (sb, qb) = rebase(ma, sa, qa), rebase(mb, sb, qb)
+    return m, sa + sb, qa + qb
+
+
+def finish(m: Array, total: Array, q: Array, chosen: Array) -> Stats:
+    """``(logp, lse, entropy)`` from a row's ``(m, S, Q)`` and its chosen (scaled) logit."""
+    log_total = jnp.log(total)
+    lse = m + log_total
+    return chosen - lse, lse, log_total - q / total
