@@ -202,3 +202,32 @@ def loss_metrics(
         "kl": jnp.float32(0.0) if kl is None else masked_mean(sg(kl), mask),
         "entropy": masked_mean(sg(entropy), mask),
     }
+
+
+def loss_from_token_stats(
+    logp: Array,
+    entropy: Array,
+    mask: Array,
+    advantages: Array,
+    config: GRPOLossConfig,
+    old_logp: Array | None = None,
+    ref_logp: Array | None = None,
+    num_items_in_batch: Array | None = None,
+    with_grad: bool = True,
+) -> tuple[Array, dict[str, Array], Array | None]:
+    r"""``(loss, metrics, g)`` from the ``[B, T]`` log-probs and entropies of an implementation.
+
+    ``g = \partial L / \partial \log\pi`` (``[B, T]`` float32, ``None`` without ``with_grad``)
+    is what the fast implementations turn into dlogits.
+    """
+
+    def objective(lp):
+        return grpo_objective(lp, mask, advantages, config, old_logp, ref_logp,
+                              num_items_in_batch)
+
+    g = None
+    if with_grad:
+        (loss, aux), g = jax.value_and_grad(objective, has_aux=True)(logp)
+    else:
+        loss, aux = objective(logp)
+    return loss, loss_metrics(logp, entropy, aux, mask, advantages, config), g

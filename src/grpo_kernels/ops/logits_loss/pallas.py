@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.objective import grpo_objective, loss_metrics
+from grpo_kernels.objective import loss_from_token_stats
 from grpo_kernels.ops.logits_loss import pallas_gpu, pallas_tpu
 from grpo_kernels.ops.logits_loss.xla import zero_cotangent
 
@@ -130,23 +130,20 @@ def pallas_grpo_loss(
     stats, grad = _kernels(logits, opts)
     rest = (mask, advantages, old_logps, ref_logps, num_items_in_batch)
 
-    def forward(z, rest):
+    def forward(z, rest, with_grad):
         logp, lse, entropy = (x.reshape(b, t) for x in stats(z.reshape(n, vocab),
                                                             ids.reshape(n), tau))
-
-        def objective(lp):
-            return grpo_objective(lp, *rest[:2], config, *rest[2:])
-
-        (loss, aux), g = jax.value_and_grad(objective, has_aux=True)(logp)
-        metrics = loss_metrics(logp, entropy, aux, rest[0], rest[1], config)
+        mask, adv, *others = rest
+        loss, metrics, g = loss_from_token_stats(logp, entropy, mask, adv, config, *others,
+                                                 with_grad=with_grad)
         return (loss, metrics), (lse, g)
 
     @jax.custom_vjp
     def loss_fn(z, rest):
-        return forward(z, rest)[0]
+        return forward(z, rest, False)[0]
 
     def loss_fwd(z, rest):
-        out, (lse, g) = forward(z, rest)
+        out, (lse, g) = forward(z, rest, True)
         return out, (z, lse, g, rest)
 
     def loss_bwd(res, cotangents):

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.objective import grpo_objective, loss_metrics
+from grpo_kernels.objective import loss_from_token_stats
 from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, merge_stats, sweep
 
 Array = jax.Array
@@ -233,17 +233,9 @@ def _forward(logits, ids, mask, advantages, old, ref, num_items, *, config, rows
     ids = jnp.clip(ids.astype(jnp.int32), 0, vocab - 1)
     logp, lse, entropy = row_statistics(logits, ids.reshape(-1), config.temperature, rows, block_v)
     logp, lse, entropy = logp.reshape(b, t), lse.reshape(b, t), entropy.reshape(b, t)
-
-    def objective(lp):
-        return grpo_objective(lp, mask, advantages, config, old, ref, num_items)
-
-    dlogits = None
-    if with_grad:
-        (loss, aux), g = jax.value_and_grad(objective, has_aux=True)(logp)
-        dlogits = logits_gradient(logits, ids, lse, g, config.temperature)
-    else:
-        loss, aux = objective(logp)
-    metrics = loss_metrics(logp, entropy, aux, mask, advantages, config)
+    loss, metrics, g = loss_from_token_stats(logp, entropy, mask, advantages, config, old, ref,
+                                             num_items, with_grad)
+    dlogits = None if g is None else logits_gradient(logits, ids, lse, g, config.temperature)
     return loss, metrics, dlogits
 
 
