@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-fast bench gradcheck-grid clean
+.PHONY: demo test test-fast bench bench-lm-head gradcheck-grid clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ test-fast: $(STAMP)
 # The issue's benchmark shape (a few minutes on a 2-core CPU).
 bench: $(STAMP)
 	$(BIN)/grpo-kernels bench --impl reference,xla --batch 4 --time 1024 --vocab 32768 --dtype bfloat16 --iters 10 --warmup 2
+
+# The fused LM-head shape of docs/lm_head.md (a few minutes on a 2-core CPU).
+bench-lm-head: $(STAMP)
+	$(BIN)/grpo-kernels bench-lm-head --batch 2 --time 1024 --hidden 512 --vocab 32768 --dtype float32 --iters 5
+	$(BIN)/grpo-kernels bench-lm-head --batch 2 --time 1024 --hidden 512 --vocab 32768 --dtype bfloat16 --iters 5
 
 gradcheck-grid: $(STAMP)
 	$(BIN)/grpo-kernels gradcheck --impl xla --grid

@@ -231,3 +231,40 @@ def loss_from_token_stats(
     else:
         loss, aux = objective(logp)
     return loss, loss_metrics(logp, entropy, aux, mask, advantages, config), g
+
+
+def token_separable(config: GRPOLossConfig) -> bool:
+    """Whether ``dL/dlogp`` of a token depends on that token's inputs alone.
+
+    True at token-level importance sampling: the weights of :func:`token_weights` depend only on
+    the mask (and ``num_items_in_batch``), so ``L = sum_bt w_bt l(logp_bt)`` separates. At
+    sequence level (GSPO) the ratio of a token depends on the log-probs of its whole sequence.
+    """
+    return config.importance_sampling_level == "token"
+
+
+def token_loss_grad(
+    logp: Array,
+    weights: Array,
+    advantages: Array,
+    config: GRPOLossConfig,
+    old_logp: Array | None = None,
+    ref_logp: Array | None = None,
+) -> Array:
+    r"""``g = \partial L / \partial \log\pi`` for any subset of tokens, token level only.
+
+    With :math:`L = \sum_{bt} w_{bt} \ell_{bt}` and :math:`\ell_{bt}` a function of
+    :math:`\log\pi_{bt}` alone (see :func:`token_separable`),
+    :math:`g_{bt} = w_{bt}\,\partial\ell_{bt}/\partial\log\pi_{bt}`: every argument is a
+    per-token array of one shape (a chunk of flattened tokens), and the result has that shape.
+    """
+    if not token_separable(config):
+        raise ValueError("token_loss_grad needs importance_sampling_level='token', got "
+                         f"{config.importance_sampling_level!r}")
+
+    def total(lp):
+        old = jax.lax.stop_gradient(lp) if old_logp is None else _f32(old_logp)
+        per_token, _, _ = per_token_loss(lp, lp - old, advantages, config, ref_logp)
+        return jnp.sum(_f32(weights) * per_token)
+
+    return jax.grad(total)(_f32(logp))

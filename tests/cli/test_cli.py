@@ -146,3 +146,22 @@ def test_wandb_offline_without_package_is_a_clear_error(capsys, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake_import)
     with pytest.raises(SystemExit, match=r"needs the wandb package"):
         main(["gradcheck", "--time", "4", "--vocab", "20", "--wandb-mode", "offline"])
+
+
+def test_bench_lm_head_runs_and_gates(capsys):
+    from grpo_kernels.cli.main import main
+
+    rc = main(["bench-lm-head", "--batch", "1", "--time", "16", "--hidden", "128", "--vocab",
+               "512", "--iters", "1", "--warmup", "0", "--format", "json",
+               "--max-temp-ratio", "1.0"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
+    assert [r["impl"] for r in rows] == ["reference", "xla", "matmul"]
+    assert rc == 0 and rows[1]["gate_temp"] is True
+    assert rows[1]["time_over_3_matmuls"] > 0
+
+
+def test_bench_lm_head_rejects_bad_flags(capsys):
+    from grpo_kernels.cli.main import main
+
+    assert main(["bench-lm-head", "--impl", "xla,magic"]) == 2
+    assert "--impl must be a comma list" in capsys.readouterr().err

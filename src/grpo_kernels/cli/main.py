@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from grpo_kernels import __version__
-from grpo_kernels.cli import bench, gradcheck
+from grpo_kernels.cli import bench, bench_lm_head, gradcheck
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     gradcheck.add_parser(sub)
     bench.add_parser(sub)
+    bench_lm_head.add_parser(sub)
     return p
 
 

@@ -1,0 +1,163 @@
+"""``grpo-kernels bench-lm-head``: the fused LM-head loss against materialised logits and the
+matmul floor, every contender in one process on the same inputs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from grpo_kernels.cli import common
+from grpo_kernels.cli.bench import _MEMORY_FIELDS, machine_description
+from grpo_kernels.ops.lm_head_loss import IMPLEMENTATIONS, LAYOUTS, grpo_loss_from_hidden
+from grpo_kernels.ops.lm_head_loss.inputs import random_head_inputs
+from grpo_kernels.ops.logits_loss.inputs import parse_dtype
+
+
+def _impl_list(text: str) -> list[str]:
+    impls = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [i for i in impls if i not in IMPLEMENTATIONS]
+    if not impls or bad:
+        raise ValueError(f"--impl must be a comma list of {sorted(IMPLEMENTATIONS)}, got {text!r}")
+    if "reference" not in impls:
+        impls.insert(0, "reference")
+    return list(dict.fromkeys(impls))
+
+
+def time_compiled(name: str, fn: Callable[..., Any], args: tuple[Any, ...], iters: int,
+                  warmup: int, show_progress: bool) -> dict[str, Any]:
+    """Compiles ``jit(fn)`` once (first-call time, memory analysis), then times ``iters`` calls."""
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    jax.block_until_ready(compiled(*args))
+    first_call_s = time.perf_counter() - t0
+    analysis = compiled.memory_analysis()
+    memory = {f: getattr(analysis, f, None) for f in _MEMORY_FIELDS} if analysis else {}
+
+    def call() -> float:
+        t = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        return time.perf_counter() - t
+
+    for _ in range(warmup):
+        call()
+    times = [call() for _ in common.progress(range(iters), iters, f"bench {name}",
+                                             show_progress)]
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"impl": name, "median_step_ms": 1e3 * statistics.median(times),
+            "avg_step_ms": 1e3 * statistics.fmean(times), "min_step_ms": 1e3 * min(times),
+            "first_call_s": first_call_s, **memory,
+            "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench-lm-head",
+        help="fused LM-head loss vs materialised logits, with the matmul floor",
+        description="Times jit(value_and_grad) w.r.t. hidden and lm_head of each implementation "
+        "of grpo_loss_from_hidden, and one [N,H]x[H,V] matmul (the floor: a gradient of h W "
+        "costs at least three of them), all in one process on the same random inputs. Prints a "
+        "JSON object per row and a table with time / reference, temp bytes / reference and "
+        "time / (3 x matmul).",
+    )
+    p.add_argument("--impl", default="reference,xla", help="comma list (reference always runs)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--time", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--layout", default="hv", choices=LAYOUTS, help="lm_head layout")
+    p.add_argument("--chunk-tokens", type=int, help="xla chunk rows (default: planned)")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-floor-ratio", type=float,
+                   help="exit 1 unless every fused median time <= this x (3 x matmul)")
+    p.add_argument("--max-time-ratio", type=float,
+                   help="exit 1 unless every fused median time <= this x reference")
+    p.add_argument("--max-temp-ratio", type=float,
+                   help="exit 1 unless every fused temp bytes <= this x reference")
+    p.add_argument("--format", choices=["both", "json", "table"], default="both")
+    common.add_loss_flags(p)
+    common.add_wandb_flags(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    impls = _impl_list(args.impl)
+    for name in ("batch", "time", "hidden", "vocab", "iters"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.chunk_tokens is not None and args.chunk_tokens < 1:
+        raise ValueError(f"--chunk-tokens must be >= 1, got {args.chunk_tokens}")
+    if "pallas" in impls and jax.default_backend() == "cpu":
+        print("bench-lm-head: note: on CPU the pallas kernels run in interpret mode; their "
+              "times say nothing about TPU", file=sys.stderr)
+    config = common.loss_config_from({}, args)
+    dtype = parse_dtype(args.dtype)
+    inp = random_head_inputs(args.seed, args.batch, args.time, args.hidden, args.vocab, dtype,
+                             config, layout=args.layout)
+    show = args.format != "json"
+
+    def step_for(impl: str):
+        kw: dict[str, Any] = {}
+        if impl == "xla" and args.chunk_tokens:
+            from grpo_kernels import LmHeadBlockSizes
+            kw["block_sizes"] = LmHeadBlockSizes(chunk_tokens=args.chunk_tokens)
+
+        def loss(h, w):
+            return grpo_loss_from_hidden(h, w, inp.ids, inp.mask, inp.advantages, config=config,
+                                         impl=impl, lm_head_layout=args.layout,
+                                         old_logps=inp.old_logps, ref_logps=inp.ref_logps, **kw)
+
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+
+    results = [time_compiled(i, step_for(i), (inp.hidden, inp.lm_head), args.iters,
+                             args.warmup, show) for i in impls]
+    n = args.batch * args.time
+    dims = (((1,), (0 if args.layout == "hv" else 1,)), ((), ()))
+    floor = time_compiled(
+        "matmul", lambda h, w: jax.lax.dot_general(h.reshape(n, args.hidden), w, dims,
+                                                   preferred_element_type=jnp.float32),
+        (inp.hidden, inp.lm_head), args.iters, args.warmup, show)
+    shape = {"batch": args.batch, "time": args.time, "hidden": args.hidden,
+             "vocab": args.vocab, "dtype": args.dtype, "layout": args.layout,
+             "iters": args.iters, "warmup": args.warmup}
+    machine = machine_description()
+    ref = results[0]
+    ok = True
+    for r in [*results, floor]:
+        for key in ("median_step_ms", "first_call_s", "temp_size_in_bytes", "peak_bytes_in_use"):
+            a, b = r.get(key), ref.get(key)
+            r[f"{key}_ratio_to_reference"] = a / b if a is not None and b else None
+        r["time_over_3_matmuls"] = r["median_step_ms"] / (3 * floor["median_step_ms"])
+        r.update(shape, loss=config.to_dict(), machine=machine)
+        if r["impl"] not in ("reference", "matmul"):
+            gates = (("gate_floor", "time_over_3_matmuls", args.max_floor_ratio),
+                     ("gate_time", "median_step_ms_ratio_to_reference", args.max_time_ratio),
+                     ("gate_temp", "temp_size_in_bytes_ratio_to_reference", args.max_temp_ratio))
+            for gate, key, limit in gates:
+                if limit is not None and r[key] is not None:
+                    r[gate] = r[key] <= limit
+                    ok &= r[gate]
+        if args.format != "table":
+            print(json.dumps(r))
+    if args.format != "json":
+        print(f"\nbench-lm-head B={args.batch} T={args.time} H={args.hidden} V={args.vocab} "
+              f"{args.dtype} layout={args.layout}, {args.iters} iters after {args.warmup} "
+              f"warm-up, {machine['backend']} ({machine['device']}), jax {machine['jax']}")
+        cols = ["impl", "median_step_ms", "first_call_s", "temp_size_in_bytes",
+                "peak_bytes_in_use", "median_step_ms_ratio_to_reference",
+                "temp_size_in_bytes_ratio_to_reference", "time_over_3_matmuls"]
+        print(common.fmt_table([*results, floor], cols))
+    common.log_wandb(args, "bench-lm-head", {**shape, **config.to_dict()},
+                     [{f"{r['impl']}/{k}": v for k, v in r.items()} for r in [*results, floor]])
+    return 0 if ok else 1

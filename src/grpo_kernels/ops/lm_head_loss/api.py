@@ -1,0 +1,160 @@
+"""``grpo_loss_from_hidden``: argument checks and the choice of implementation."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.ops.lm_head_loss.pallas_tpu import LmHeadPallasOptions, pallas_lm_head_loss
+from grpo_kernels.ops.lm_head_loss.reference import reference_lm_head_loss
+from grpo_kernels.ops.lm_head_loss.xla import LmHeadBlockSizes, common_dtype, xla_lm_head_loss
+from grpo_kernels.ops.logits_loss.api import _check_ids_in_range, validate_inputs
+
+Array = jax.Array
+
+IMPLEMENTATIONS: dict[str, Callable[..., tuple[Array, dict[str, Array]]]] = {
+    "reference": reference_lm_head_loss,
+    "xla": xla_lm_head_loss,
+    "pallas": pallas_lm_head_loss,
+}
+IMPL_CHOICES: tuple[str, ...] = ("auto", *IMPLEMENTATIONS)
+LAYOUTS: tuple[str, ...] = ("hv", "vh")
+FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def _float_dtype(name: str, x: Any) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
+
+
+def validate_head(hidden: Any, lm_head: Any, layout: Any, bias: Any,
+                  logits_dtype: Any) -> tuple[int, jnp.dtype]:
+    """Checks the head arguments; returns ``(V, logits_dtype)``. ValueError names the argument.
+
+    Allowed dtypes: ``hidden``, ``lm_head`` and ``bias`` each bfloat16, float16 or float32, in
+    any mix. Matmuls accumulate in float32; a mix computes in float32 (the narrower operand is
+    upcast, ``lm_head`` once per call) and gives float32 logits unless ``logits_dtype`` says
+    otherwise.
+    """
+    _float_dtype("hidden", hidden)
+    _float_dtype("lm_head", lm_head)
+    if hidden.ndim != 3:
+        raise ValueError(f"hidden must have rank 3 [B, T, H], got shape {tuple(hidden.shape)}")
+    if min(hidden.shape) < 1:
+        raise ValueError(f"hidden must have B, T, H >= 1, got shape {tuple(hidden.shape)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"lm_head_layout must be one of {LAYOUTS}, got {layout!r}")
+    h = hidden.shape[-1]
+    if lm_head.ndim != 2:
+        raise ValueError(f"lm_head must have rank 2 ([H, V] for layout 'hv', [V, H] for 'vh'), "
+                         f"got shape {tuple(lm_head.shape)}")
+    h_axis = 0 if layout == "hv" else 1
+    if lm_head.shape[h_axis] != h:
+        want = f"[H, V] = [{h}, V]" if layout == "hv" else f"[V, H] = [V, {h}]"
+        raise ValueError(f"lm_head with lm_head_layout={layout!r} must have shape {want} "
+                         f"(H from hidden), got {tuple(lm_head.shape)}")
+    vocab = lm_head.shape[1 - h_axis]
+    if vocab < 1:
+        raise ValueError(f"lm_head must have V >= 1, got shape {tuple(lm_head.shape)}")
+    if bias is not None:
+        _float_dtype("bias", bias)
+        if tuple(bias.shape) != (vocab,):
+            raise ValueError(f"bias must have shape [V] = ({vocab},), got {tuple(bias.shape)}")
+    if logits_dtype is None:
+        return vocab, common_dtype(hidden.dtype, lm_head.dtype)
+    try:
+        resolved = jnp.dtype(logits_dtype)
+    except TypeError:
+        resolved = None
+    if resolved not in FLOAT_DTYPES:
+        raise ValueError(f"logits_dtype must be None, bfloat16, float16 or float32, "
+                         f"got {logits_dtype!r}")
+    return vocab, resolved
+
+
+def default_impl(backend: str | None = None) -> str:
+    """``impl="auto"``: ``xla`` everywhere until a TPU bench shows the Pallas kernel ahead.
+
+    The Pallas TPU kernel is lowering-tested at the issue's shape but has no TPU timing
+    recorded; on CPU it runs interpreted (tests only).
+    """
+    del backend
+    return "xla"
+
+
+def grpo_loss_from_hidden(
+    hidden: Array,
+    lm_head: Array,
+    ids: Array,
+    mask: Array,
+    advantages: Array,
+    *,
+    config: GRPOLossConfig,
+    old_logps: Array | None = None,
+    ref_logps: Array | None = None,
+    num_items_in_batch: Array | float | None = None,
+    impl: str = "auto",
+    lm_head_layout: str = "hv",
+    bias: Array | None = None,
+    logits_dtype: Any = None,
+    check_ids: bool = False,
+    block_sizes: LmHeadBlockSizes | LmHeadPallasOptions | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    r"""GRPO loss from hidden states and LM-head weights, never materialising ``[B, T, V]``.
+
+    The logits are :math:`z = \mathrm{cast}_{\text{logits\_dtype}}(h W + b)` (float32
+    accumulation, one rounding), and the loss is exactly :func:`grpo_kernels.grpo_loss` of
+    them: TRL GRPOTrainer semantics, every ``loss_type``, token or sequence level, KL, delta,
+    temperature. The fused implementations form ``z`` a chunk of tokens at a time.
+
+    Args:
+      hidden: ``[B, T, H]`` hidden states before the head; position ``t`` predicts
+        ``ids[:, t]``.
+      lm_head: ``[H, V]`` (``lm_head_layout="hv"``, as ``x @ W``) or ``[V, H]`` (``"vh"``, the
+        ``nn.Linear`` / tied-embedding layout).
+      ids, mask, advantages, config, old_logps, ref_logps, num_items_in_batch, check_ids: as
+        :func:`grpo_kernels.grpo_loss`.
+      impl: ``"auto"`` (``xla``), ``"reference"`` (materialised logits, the baseline),
+        ``"xla"`` (chunked, fused) or ``"pallas"`` (TPU kernel; interpret mode on CPU).
+      lm_head_layout: ``"hv"`` or ``"vh"``.
+      bias: Optional ``[V]`` head bias.
+      logits_dtype: Dtype of the logits the loss sees; ``None``: the common dtype of ``hidden``
+        and ``lm_head`` (float32 for a mix). ``jnp.float32`` with bfloat16 inputs is an "f32
+        head": no rounding of the logits.
+      block_sizes: ``LmHeadBlockSizes`` for ``xla``, ``LmHeadPallasOptions`` for ``pallas``.
+
+    Returns:
+      ``(loss, metrics)`` as :func:`grpo_kernels.grpo_loss`; the loss is differentiable w.r.t.
+      ``hidden``, ``lm_head`` and ``bias`` (gradients in their dtypes).
+
+    Raises:
+      ValueError: at trace time, naming the argument and the expected shape or dtype.
+    """
+    vocab, logits_dtype = validate_head(hidden, lm_head, lm_head_layout, bias, logits_dtype)
+    b, t, _ = hidden.shape
+    validate_inputs(jax.ShapeDtypeStruct((b, t, vocab), logits_dtype), ids, mask, advantages,
+                    config, old_logps, ref_logps)
+    if impl not in IMPL_CHOICES:
+        raise ValueError(f"impl must be one of {IMPL_CHOICES}, got {impl!r}")
+    if check_ids:
+        _check_ids_in_range(ids, mask, vocab)
+    if impl == "auto":
+        impl = default_impl()
+    wants = {"xla": LmHeadBlockSizes, "pallas": LmHeadPallasOptions}.get(impl)
+    if block_sizes is not None and (wants is None or not isinstance(block_sizes, wants)):
+        raise ValueError(
+            "block_sizes must be LmHeadBlockSizes for impl='xla' or LmHeadPallasOptions for "
+            f"impl='pallas', got {type(block_sizes).__name__} with impl={impl!r}")
+    kwargs: dict[str, Any] = dict(
+        config=config, old_logps=old_logps, ref_logps=ref_logps,
+        num_items_in_batch=None if num_items_in_batch is None
+        else jnp.asarray(num_items_in_batch, jnp.float32),
+        lm_head_layout=lm_head_layout, bias=bias, logits_dtype=logits_dtype)
+    if wants is not None:
+        kwargs["block_sizes"] = block_sizes
+    return IMPLEMENTATIONS[impl](hidden, lm_head, ids, mask, advantages, **kwargs)

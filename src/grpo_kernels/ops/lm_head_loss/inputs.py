@@ -1,0 +1,42 @@
+"""Seeded random inputs of the fused LM-head loss for bench and tests: never zeros."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from grpo_kernels.config import GRPOLossConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadInputs:
+    hidden: jax.Array
+    lm_head: jax.Array
+    ids: jax.Array
+    mask: jax.Array
+    advantages: jax.Array
+    old_logps: jax.Array
+    ref_logps: jax.Array
+
+
+def random_head_inputs(seed: int, batch: int, time: int, hidden: int, vocab: int, dtype: Any,
+                       config: GRPOLossConfig, *, layout: str = "hv",
+                       noise: float = 0.1) -> HeadInputs:
+    """Hidden ~ N(0, 1); W ~ N(0, 4/H) (logits of standard deviation about 2); ids uniform;
+    right-padded masks of random length; advantages ~ N(0, 1); old/ref log-probs around
+    ``-log V`` plus ``N(0, noise^2)`` (an off-policy step)."""
+    del config
+    k = jax.random.split(jax.random.PRNGKey(seed), 7)
+    h = jax.random.normal(k[0], (batch, time, hidden), jnp.float32).astype(dtype)
+    shape = (hidden, vocab) if layout == "hv" else (vocab, hidden)
+    w = (jax.random.normal(k[1], shape, jnp.float32) * (2.0 / hidden ** 0.5)).astype(dtype)
+    ids = jax.random.randint(k[2], (batch, time), 0, vocab, dtype=jnp.int32)
+    lengths = jax.random.randint(k[3], (batch, 1), 1, time + 1)
+    mask = (jnp.arange(time)[None, :] < lengths).astype(jnp.float32)
+    adv = jax.random.normal(k[4], (batch,), jnp.float32)
+    base = -jnp.log(jnp.float32(vocab)) + noise * jax.random.normal(k[5], (batch, time))
+    ref = base + noise * jax.random.normal(k[6], (batch, time))
+    return HeadInputs(h, w, ids, mask, adv, base, ref)

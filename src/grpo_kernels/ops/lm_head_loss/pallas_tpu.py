@@ -1,0 +1,394 @@
+r"""Pallas TPU (Mosaic) kernels for the fused LM-head GRPO loss.
+
+Rows are the ``N = B*T`` hidden states ``h [N, H]``; the head is ``W [H, V]`` (``"hv"``) or
+``[V, H]`` (``"vh"``), with an optional bias. Three kernels, none of which writes an ``[N, V]``
+array:
+
+* :func:`head_statistics`, grid ``(N/tm, V/tv, H/tk)`` with semantics
+  ``("parallel", "arbitrary", "arbitrary")``: the logits tile ``z = h W`` is accumulated over
+  ``H`` in a VMEM float32 scratch; at the last ``H`` step it is cast to the logits dtype, scaled
+  by ``1/tau`` and folded into the running online-softmax triple ``(m, S, Q)`` of each row
+  (:mod:`grpo_kernels.ops.logits_loss.online_softmax`), together with the chosen logit. The last
+  vocabulary step writes ``logp``, ``lse`` and the entropy, ``[N, 1]`` float32 each.
+* :func:`head_gradients`: with ``c = g * cotangent / tau`` per row and
+  ``delta = c (onehot(y) - e^{s - lse})`` recomputed per tile from ``h``, ``W`` and ``lse``:
+
+  - ``dh`` on grid ``(N/tm "parallel", V/tv "arbitrary")``: ``dh += delta W^T`` in a
+    ``[tm, H]`` float32 scratch, written once in the hidden dtype;
+  - ``dW`` (and ``db``) on grid ``(V/tv "parallel", N/tm "arbitrary")``:
+    ``dW_tile += h^T delta`` in an ``[H, tv]`` float32 scratch, written once in the weight dtype.
+
+  The backward thus recomputes the logits twice: five matmuls of the logits' size in all, the
+  price of keeping every accumulator in VMEM without atomics (docs/lm_head.md).
+
+Ragged shapes: rows are padded to a multiple of ``tm`` (a copy of ``h``, ``O(N H)``); the
+vocabulary is not padded: the last vocabulary tile overhangs ``V`` and its columns ``>= V`` are
+masked in-kernel (logits to ``-inf``, gradient and weight columns to 0), so no copy of ``W`` is
+made. In interpret mode the overhanging reads return NaN, which the tests rely on to show the
+masking is complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.objective import loss_from_token_stats
+from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, merge_stats
+from grpo_kernels.ops.lm_head_loss.xla import common_dtype
+from grpo_kernels.ops.lm_head_loss.xla import matmul as _dot
+from grpo_kernels.ops.logits_loss.xla import zero_cotangent
+
+Array = jax.Array
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class LmHeadPallasOptions:
+    """Options of the Pallas LM-head kernels.
+
+    Attributes:
+      block_rows: Rows per grid step ``tm`` (multiple of 16); ``None``: 256, or fewer for
+        small ``N``.
+      block_vocab: Vocabulary tile ``tv`` (multiple of 128); ``None``: 512.
+      block_hidden: ``H`` tile ``tk`` of the statistics kernel (a divisor of ``H``, multiple of
+        128, or ``H``); ``None``: the largest of 2048, 1024, 512 that divides ``H``, else ``H``.
+      vmem_limit_bytes: Scoped VMEM limit of the kernels; ``None``: 64 MiB.
+      interpret: Interpret mode; ``None``: exactly when the backend is CPU.
+    """
+
+    block_rows: int | None = None
+    block_vocab: int | None = None
+    block_hidden: int | None = None
+    vmem_limit_bytes: int | None = None
+    interpret: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name, mult in (("block_rows", 16), ("block_vocab", 128), ("block_hidden", 128),
+                           ("vmem_limit_bytes", 1)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"LmHeadPallasOptions.{name} must be None or an int >= 1, "
+                                 f"got {value!r}")
+            if value % mult:
+                raise ValueError(f"LmHeadPallasOptions.{name} must be a multiple of {mult} "
+                                 f"(TPU tiling), got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    rows: int
+    vocab: int
+    hidden: int
+    vmem_limit_bytes: int
+
+
+def plan_tiles(n: int, hidden: int, vocab: int, opts: LmHeadPallasOptions) -> Tiles:
+    """Tile sizes for ``N`` rows, hidden size ``H`` and vocabulary ``V`` (see the options)."""
+    rows = opts.block_rows or min(256, -(-n // 16) * 16)
+    tv = opts.block_vocab or min(512, -(-vocab // 128) * 128)
+    tk = opts.block_hidden
+    if tk is None:
+        tk = next((c for c in (2048, 1024, 512) if hidden % c == 0 and c < hidden), hidden)
+    if hidden % tk:
+        raise ValueError(f"LmHeadPallasOptions.block_hidden={tk} must divide H={hidden}")
+    return Tiles(rows, tv, tk, opts.vmem_limit_bytes or (64 << 20))
+
+
+def _params(tiles: Tiles, semantics: tuple[str, ...]) -> Any:
+    return pltpu.CompilerParams(dimension_semantics=semantics,
+                                vmem_limit_bytes=tiles.vmem_limit_bytes)
+
+
+def _interpret(interpret: bool) -> Any:
+    # Reads past the array (the overhanging last vocabulary tile) return NaN instead of
+    # raising: the kernels must mask them, and NaN makes any leak visible.
+    if not interpret:
+        return False
+    return pltpu.InterpretParams(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
+
+
+def _matmul_hw(h: Array, w: Array, layout: str) -> Array:
+    """``h [m, k] @ W`` for a W tile ``[k, n]`` (hv) or ``[n, k]`` (vh), float32."""
+    return _dot(h, w, ((1,), (0,)) if layout == "hv" else ((1,), (1,)))
+
+
+def _scaled_logits(h, w_ref, b_ref, col0, *, vocab, layout, logits_dtype, tau):
+    """Masked ``s = cast(h W + b) / tau`` of one ``[tm, tv]`` tile, float32; and the column mask."""
+    w = w_ref[...]
+    z = _matmul_hw(h, w, layout)
+    if b_ref is not None:
+        z = z + b_ref[...].astype(_F32)
+    s = z.astype(logits_dtype).astype(_F32) / tau
+    cols = col0 + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    return s, cols, cols < vocab
+
+
+def _stats_kernel(*refs, vocab, tv, nk, layout, logits_dtype, tau, has_bias):
+    h_ref, w_ref = refs[:2]
+    b_ref = refs[2] if has_bias else None
+    ids_ref, logp_ref, lse_ref, ent_ref, acc, m_sc, s_sc, q_sc, c_sc = refs[2 + has_bias:]
+    j, k = pl.program_id(1), pl.program_id(2)
+    nv = pl.num_programs(1)
+
+    @pl.when((j == 0) & (k == 0))
+    def _():
+        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, _F32)
+        s_sc[...] = jnp.zeros(s_sc.shape, _F32)
+        q_sc[...] = jnp.zeros(q_sc.shape, _F32)
+        c_sc[...] = jnp.zeros(c_sc.shape, _F32)
+
+    @pl.when(k == 0)
+    def _():
+        acc[...] = jnp.zeros(acc.shape, _F32)
+
+    acc[...] += _matmul_hw(h_ref[...], w_ref[...], layout)
+
+    @pl.when(k == nk - 1)
+    def _():
+        z = acc[...]
+        if b_ref is not None:
+            z = z + b_ref[...].astype(_F32)
+        s = z.astype(logits_dtype).astype(_F32) / tau
+        cols = j * tv + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        s = jnp.where(cols < vocab, s, -jnp.inf)
+        c_sc[...] += jnp.sum(jnp.where(cols == ids_ref[...], s, 0.0), axis=1, keepdims=True)
+        m, tot, q = merge_stats((m_sc[...], s_sc[...], q_sc[...]),
+                                block_stats(s, keepdims=True))
+        m_sc[...], s_sc[...], q_sc[...] = m, tot, q
+
+        @pl.when(j == nv - 1)
+        def _():
+            logp, lse, ent = finish(m_sc[...], s_sc[...], q_sc[...], c_sc[...])
+            logp_ref[...], lse_ref[...], ent_ref[...] = logp, lse, ent
+
+
+def _w_spec(tiles: Tiles, hidden: int, layout: str, index) -> pl.BlockSpec:
+    """BlockSpec of a W tile with ``hidden`` rows of H; ``index(...) -> (k_block, v_block)``."""
+    if layout == "hv":
+        return pl.BlockSpec((hidden, tiles.vocab), lambda *g: index(*g))
+    return pl.BlockSpec((tiles.vocab, hidden), lambda *g: index(*g)[::-1])
+
+
+def head_statistics(h: Array, w: Array, bias: Array | None, ids: Array, *, layout: str,
+                    logits_dtype: Any, temperature: float, tiles: Tiles,
+                    interpret: bool = False) -> tuple[Array, Array, Array]:
+    """``(logp, lse, entropy)``, ``[N]`` float32 each, for ``h [N, H]`` (``N`` a multiple of tm)."""
+    n, hidden = h.shape
+    vocab = w.shape[1] if layout == "hv" else w.shape[0]
+    tm, tv, tk = tiles.rows, tiles.vocab, tiles.hidden
+    nk = hidden // tk
+    grid = (n // tm, pl.cdiv(vocab, tv), nk)
+    row = pl.BlockSpec((tm, 1), lambda i, j, k: (i, 0))
+    in_specs = [pl.BlockSpec((tm, tk), lambda i, j, k: (i, k)),
+                _w_spec(tiles, tk, layout, lambda i, j, k: (k, j))]
+    args = [h, w]
+    if bias is not None:
+        in_specs.append(pl.BlockSpec((1, tv), lambda i, j, k: (0, j)))
+        args.append(bias.reshape(1, vocab))
+    in_specs.append(row)
+    args.append(ids.reshape(n, 1))
+    kernel = functools.partial(_stats_kernel, vocab=vocab, tv=tv, nk=nk, layout=layout,
+                               logits_dtype=logits_dtype, tau=temperature,
+                               has_bias=bias is not None)
+    out = jax.ShapeDtypeStruct((n, 1), _F32)
+    logp, lse, ent = pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=[row, row, row],
+        out_shape=[out, out, out],
+        scratch_shapes=[pltpu.VMEM((tm, tv), _F32)] + [pltpu.VMEM((tm, 1), _F32)] * 4,
+        compiler_params=_params(tiles, ("parallel", "arbitrary", "arbitrary")),
+        interpret=_interpret(interpret),
+    )(*args)
+    return logp[:, 0], lse[:, 0], ent[:, 0]
+
+
+def _delta(h, w_ref, b_ref, ids_ref, lse_ref, coef_ref, col0, *, vocab, layout, logits_dtype,
+           tau):
+    """``(delta, w)`` of one tile: the logits gradient (logits dtype, 0 past V) and the W tile
+    with its columns past V zeroed (they hold garbage: the tile overhangs the array)."""
+    s, cols, valid = _scaled_logits(h, w_ref, b_ref, col0, vocab=vocab, layout=layout,
+                                    logits_dtype=logits_dtype, tau=tau)
+    p = jnp.exp(s - lse_ref[...])
+    delta = coef_ref[...] * ((cols == ids_ref[...]).astype(_F32) - p)
+    delta = jnp.where(valid, delta, 0.0).astype(logits_dtype)
+    w = w_ref[...]
+    wcols = col0 + jax.lax.broadcasted_iota(jnp.int32, w.shape, 1 if layout == "hv" else 0)
+    w = jnp.where(wcols < vocab, w, jnp.zeros_like(w))
+    return delta, w
+
+
+def _dh_kernel(*refs, vocab, tv, layout, logits_dtype, tau, has_bias):
+    h_ref, w_ref = refs[:2]
+    b_ref = refs[2] if has_bias else None
+    ids_ref, lse_ref, coef_ref, dh_ref, acc = refs[2 + has_bias:]
+    j = pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _():
+        acc[...] = jnp.zeros(acc.shape, _F32)
+
+    h = h_ref[...]
+    delta, w = _delta(h, w_ref, b_ref, ids_ref, lse_ref, coef_ref, j * tv, vocab=vocab,
+                      layout=layout, logits_dtype=logits_dtype, tau=tau)
+    acc[...] += _dot(delta, w, ((1,), (1,)) if layout == "hv" else ((1,), (0,)))
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _():
+        dh_ref[...] = acc[...].astype(dh_ref.dtype)
+
+
+def _dw_kernel(*refs, vocab, tv, layout, logits_dtype, tau, has_bias):
+    h_ref, w_ref = refs[:2]
+    b_ref = refs[2] if has_bias else None
+    rest = refs[2 + has_bias:]
+    ids_ref, lse_ref, coef_ref, dw_ref = rest[:4]
+    db_ref = rest[4] if has_bias else None
+    acc, bacc = rest[-2:]
+    j, i = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(i == 0)
+    def _():
+        acc[...] = jnp.zeros(acc.shape, _F32)
+        bacc[...] = jnp.zeros(bacc.shape, _F32)
+
+    h = h_ref[...]
+    delta, _ = _delta(h, w_ref, b_ref, ids_ref, lse_ref, coef_ref, j * tv, vocab=vocab,
+                      layout=layout, logits_dtype=logits_dtype, tau=tau)
+    if layout == "hv":
+        acc[...] += _dot(h, delta, ((0,), (0,)))
+    else:
+        acc[...] += _dot(delta, h, ((0,), (0,)))
+    if db_ref is not None:
+        bacc[...] += jnp.sum(delta.astype(_F32), axis=0, keepdims=True)
+
+    @pl.when(i == pl.num_programs(1) - 1)
+    def _():
+        dw_ref[...] = acc[...].astype(dw_ref.dtype)
+        if db_ref is not None:
+            db_ref[...] = bacc[...].astype(db_ref.dtype)
+
+
+def head_gradients(h: Array, w: Array, bias: Array | None, ids: Array, lse: Array, coef: Array,
+                   *, layout: str, logits_dtype: Any, temperature: float, tiles: Tiles,
+                   interpret: bool = False) -> tuple[Array, Array, Array | None]:
+    """``(dh, dW, db)`` for per-row factors ``coef = g * cotangent / tau`` (``N`` a multiple of tm)."""
+    n, hidden = h.shape
+    vocab = w.shape[1] if layout == "hv" else w.shape[0]
+    tm, tv = tiles.rows, tiles.vocab
+    nv, nr = pl.cdiv(vocab, tv), n // tm
+    has_bias = bias is not None
+    static = dict(vocab=vocab, tv=tv, layout=layout, logits_dtype=logits_dtype,
+                  tau=temperature, has_bias=has_bias)
+    per_row = [ids.reshape(n, 1), lse.reshape(n, 1), coef.reshape(n, 1)]
+    bias_args = [bias.reshape(1, vocab)] if has_bias else []
+
+    # dh: rows parallel, vocabulary accumulated.
+    row = pl.BlockSpec((tm, 1), lambda i, j: (i, 0))
+    specs = [pl.BlockSpec((tm, hidden), lambda i, j: (i, 0)),
+             _w_spec(tiles, hidden, layout, lambda i, j: (0, j))]
+    specs += [pl.BlockSpec((1, tv), lambda i, j: (0, j))] * has_bias + [row] * 3
+    dh = pl.pallas_call(
+        functools.partial(_dh_kernel, **static), grid=(nr, nv), in_specs=specs,
+        out_specs=pl.BlockSpec((tm, hidden), lambda i, j: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((n, hidden), h.dtype),
+        scratch_shapes=[pltpu.VMEM((tm, hidden), _F32)],
+        compiler_params=_params(tiles, ("parallel", "arbitrary")),
+        interpret=_interpret(interpret),
+    )(h, w, *bias_args, *per_row)
+
+    # dW, db: vocabulary tiles parallel, rows accumulated.
+    row = pl.BlockSpec((tm, 1), lambda j, i: (i, 0))
+    specs = [pl.BlockSpec((tm, hidden), lambda j, i: (i, 0)),
+             _w_spec(tiles, hidden, layout, lambda j, i: (0, j))]
+    specs += [pl.BlockSpec((1, tv), lambda j, i: (0, j))] * has_bias + [row] * 3
+    out_specs = [_w_spec(tiles, hidden, layout, lambda j, i: (0, j))]
+    out_shape = [jax.ShapeDtypeStruct(w.shape, w.dtype)]
+    if has_bias:
+        out_specs.append(pl.BlockSpec((1, tv), lambda j, i: (0, j)))
+        out_shape.append(jax.ShapeDtypeStruct((1, vocab), bias.dtype))
+    acc_shape = (hidden, tv) if layout == "hv" else (tv, hidden)
+    outs = pl.pallas_call(
+        functools.partial(_dw_kernel, **static), grid=(nv, nr), in_specs=specs,
+        out_specs=out_specs, out_shape=out_shape,
+        scratch_shapes=[pltpu.VMEM(acc_shape, _F32), pltpu.VMEM((1, tv), _F32)],
+        compiler_params=_params(tiles, ("parallel", "arbitrary")),
+        interpret=_interpret(interpret),
+    )(h, w, *bias_args, *per_row)
+    db = outs[1].reshape(vocab) if has_bias else None
+    return dh, outs[0], db
+
+
+def pallas_lm_head_loss(
+    hidden: Array,
+    lm_head: Array,
+    ids: Array,
+    mask: Array,
+    advantages: Array,
+    *,
+    config: GRPOLossConfig,
+    old_logps: Array | None = None,
+    ref_logps: Array | None = None,
+    num_items_in_batch: Array | None = None,
+    lm_head_layout: str = "hv",
+    bias: Array | None = None,
+    logits_dtype: Any = None,
+    block_sizes: LmHeadPallasOptions | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """The fused loss on the TPU kernels; args and returns as ``grpo_loss_from_hidden``."""
+    opts = block_sizes or LmHeadPallasOptions()
+    interpret = opts.interpret if opts.interpret is not None else jax.default_backend() == "cpu"
+    b, t, hdim = hidden.shape
+    n = b * t
+    compute = common_dtype(hidden.dtype, lm_head.dtype)
+    logits_dtype = jnp.dtype(logits_dtype or compute)
+    vocab = lm_head.shape[1] if lm_head_layout == "hv" else lm_head.shape[0]
+    tiles = plan_tiles(n, hdim, vocab, opts)
+    pad = -n % tiles.rows
+    tau = config.temperature
+    static = dict(layout=lm_head_layout, logits_dtype=logits_dtype, temperature=tau,
+                  tiles=tiles, interpret=interpret)
+    rest = (ids, mask, advantages, old_logps, ref_logps, num_items_in_batch)
+
+    def rows_of(hidden, ids):
+        h = jnp.pad(hidden.reshape(n, hdim).astype(compute), ((0, pad), (0, 0)))
+        ids = jnp.clip(ids.astype(jnp.int32), 0, vocab - 1).reshape(n)
+        return h, jnp.pad(ids, (0, pad))
+
+    def forward(hidden, w, bias, rest, with_grad):
+        ids, mask, adv, old, ref, num_items = rest
+        h, idp = rows_of(hidden, ids)
+        logp, lse, ent = head_statistics(h, w.astype(compute), bias, idp, **static)
+        loss, metrics, g = loss_from_token_stats(
+            logp[:n].reshape(b, t), ent[:n].reshape(b, t), mask, adv, config, old, ref,
+            num_items, with_grad=with_grad)
+        return loss, metrics, lse, g
+
+    @jax.custom_vjp
+    def loss_fn(hidden, w, bias, rest):
+        loss, metrics, _, _ = forward(hidden, w, bias, rest, False)
+        return loss, metrics
+
+    def loss_fwd(hidden, w, bias, rest):
+        loss, metrics, lse, g = forward(hidden, w, bias, rest, True)
+        return (loss, metrics), (hidden, w, bias, lse, g, rest)
+
+    def loss_bwd(res, cotangents):
+        hidden, w, bias, lse, g, rest = res
+        h, idp = rows_of(hidden, rest[0])
+        coef = jnp.pad(g.reshape(n) * cotangents[0].astype(_F32) / tau, (0, pad))
+        dh, dw, db = head_gradients(h, w.astype(compute), bias, idp, lse, coef, **static)
+        dh = dh[:n].reshape(hidden.shape).astype(hidden.dtype)
+        return (dh, dw.astype(w.dtype), db,
+                jax.tree.map(zero_cotangent, rest, is_leaf=lambda x: x is None))
+
+    loss_fn.defvjp(loss_fwd, loss_bwd)
+    return loss_fn(hidden, lm_head, bias, rest)

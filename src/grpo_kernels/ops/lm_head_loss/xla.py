@@ -1,0 +1,335 @@
+r"""Fused LM-head GRPO loss in XLA: token chunks, gradients formed in the forward pass.
+
+The hidden states ``[B, T, H]`` are viewed as ``N = B*T`` rows ``h_n``; the head is
+``W [H, V]`` (layout ``"hv"``) or ``[V, H]`` (``"vh"``), with an optional bias ``b [V]``. One
+loop over chunks of ``c`` rows does, per chunk, in float32 arithmetic:
+
+.. math::
+
+    z &= \mathrm{cast}_{\text{logits\_dtype}}(h W + b), \qquad s = z / \tau
+      \qquad ([c, V],\ \text{the only vocabulary-sized arrays}) \\
+    \mathrm{lse}, H, \log\pi(y) &\ \text{from the online-softmax statistics of } s
+      \ (\text{:mod:`grpo_kernels.ops.logits_loss.online_softmax`}) \\
+    g &= \partial L / \partial \log\pi(y)
+      \quad(\text{per token: :func:`grpo_kernels.objective.token_loss_grad`}) \\
+    \delta &= \frac{g}{\tau}\,(\mathbb{1}[v = y] - e^{s - \mathrm{lse}}) \qquad [c, V] \\
+    \partial L/\partial h &= \delta W^\top \ \ (\text{rows of this chunk, written once}), \qquad
+    \partial L/\partial W \mathrel{+}= h^\top \delta, \qquad
+    \partial L/\partial b \mathrel{+}= \textstyle\sum_n \delta_n
+
+with ``dW`` and ``db`` accumulated in float32 and cast to the weight dtype once, after the loop.
+That is three matmuls of the size of the logits, the least a gradient of ``h W`` can cost. The
+loop runs in the ``custom_vjp`` forward; the backward only multiplies by the loss cotangent. The
+primal alone (no gradient) is one matmul per chunk and the statistics.
+
+Token-level importance sampling makes ``g`` a function of the token's own log-prob, so the
+gradient is formed in the same pass. At sequence level (GSPO) ``g`` needs the whole sequence;
+the op then runs the loop twice: statistics first (one matmul), then the gradient pass with
+``g`` known (three more).
+
+Peak temporary memory is ``O(c V)`` plus the ``[H, V]`` float32 accumulator and ``[N, H]`` for
+``dhidden``: no ``[N, V]`` array exists. ``c`` comes from a byte budget over ``V`` and ``H``
+(:func:`plan_chunk`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.objective import (loss_from_token_stats, token_loss_grad, token_separable,
+                                    token_weights)
+from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, sweep
+from grpo_kernels.ops.logits_loss.xla import cast_to, zero_cotangent
+
+Array = jax.Array
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class LmHeadBlockSizes:
+    """Chunking of the fused LM-head loop.
+
+    Attributes:
+      chunk_tokens: Rows (tokens) per chunk; ``None`` derives it from ``chunk_bytes``.
+      chunk_bytes: Target size of one chunk's vocabulary-sized work arrays (float32 logits plus
+        the logits-dtype gradient); ``None`` picks a backend default.
+    """
+
+    chunk_tokens: int | None = None
+    chunk_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_tokens", "chunk_bytes"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ValueError(
+                    f"LmHeadBlockSizes.{name} must be None or an int >= 1, got {value!r}")
+
+
+# Byte budget of one chunk's [c, V] arrays. CPU: measured on the 2-core development machine
+# (docs/lm_head.md); accelerators want large matmuls.
+_DEFAULT_CHUNK_BYTES = {"cpu": 16 << 20, "gpu": 1 << 30, "tpu": 1 << 30}
+
+
+def plan_chunk(n_rows: int, vocab: int, hidden: int, logits_itemsize: int,
+               blocks: LmHeadBlockSizes, backend: str) -> int:
+    """Rows per chunk: the byte budget over a row's float32 logits, a multiple of 8.
+
+    ``hidden`` and the logits width enter through the budget: a row costs ``4 V`` bytes of
+    float32 logits (plus a narrower copy and the gradient). With float32 logits the float32
+    ``dW`` accumulator is the output itself, so the default budget doubles (on the development
+    CPU, 256 rows at ``V = 32768`` beat 128 by 15% for float32; for bfloat16 the accumulator
+    is extra and 128 rows keep the temporaries near a tenth of the reference's, docs/lm_head.md).
+    """
+    del hidden
+    if blocks.chunk_tokens is not None:
+        return min(blocks.chunk_tokens, n_rows)
+    budget = blocks.chunk_bytes or (_DEFAULT_CHUNK_BYTES.get(backend, 256 << 20)
+                                    * (2 if logits_itemsize >= 4 else 1))
+    rows = max(8, budget // (4 * vocab) // 8 * 8)
+    return min(rows, n_rows)
+
+
+def common_dtype(a: Any, b: Any) -> jnp.dtype:
+    """The dtype two matmul operands are brought to: theirs if equal, else float32."""
+    a, b = jnp.dtype(a), jnp.dtype(b)
+    return a if a == b else jnp.dtype(_F32)
+
+
+def matmul(a: Array, b: Array, dims: Any) -> Array:
+    """``dot_general`` with float32 accumulation, operands in their :func:`common_dtype`."""
+    dtype = common_dtype(a.dtype, b.dtype)
+    return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), (dims, ((), ())),
+                               preferred_element_type=_F32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """The LM head: weights in one of two layouts, an optional bias, the logits dtype."""
+
+    w: Array
+    bias: Array | None
+    layout: str
+    logits_dtype: Any
+
+    @property
+    def vocab(self) -> int:
+        return self.w.shape[1] if self.layout == "hv" else self.w.shape[0]
+
+    def logits(self, h: Array) -> Array:
+        """``cast(h W + b)`` for rows ``h [c, H]``: float32 accumulation, one rounding."""
+        k = 0 if self.layout == "hv" else 1
+        z = matmul(h, self.w, ((1,), (k,)))
+        if self.bias is not None:
+            z = z + self.bias.astype(_F32)[None, :]
+        return z if jnp.dtype(self.logits_dtype) == _F32 else cast_to(z, self.logits_dtype)
+
+    def dhidden(self, delta: Array) -> Array:
+        """``delta W^T`` for ``delta [c, V]``: ``[c, H]`` float32."""
+        k = 1 if self.layout == "hv" else 0
+        return matmul(delta, self.w, ((1,), (k,)))
+
+    def dweight(self, h: Array, delta: Array) -> Array:
+        """``h^T delta`` in the layout of ``W`` (``[H, V]`` or ``[V, H]``), float32."""
+        if self.layout == "hv":
+            return matmul(h, delta, ((0,), (0,)))
+        return matmul(delta, h, ((0,), (0,)))
+
+
+def _rows(x: Array | None, start: Any, size: int) -> Array | None:
+    return None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size)
+
+
+def _as_bits(x: Array) -> Array:
+    """A same-width unsigned view of 16-bit floats (XLA:CPU has no bfloat16 update-slice)."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+
+
+def _from_bits(x: Array, dtype: Any) -> Array:
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != jnp.dtype(dtype) else x
+
+
+def _slice_rows(x: Array, start: Any, size: int, axis: int = 0) -> Array:
+    """``x[start:start+size]`` along ``axis``; 16-bit floats through an integer view."""
+    return _from_bits(jax.lax.dynamic_slice_in_dim(_as_bits(x), start, size, axis=axis), x.dtype)
+
+
+GradFn = Callable[[Any, int, Array], Array]
+
+
+def _accumulate_dweight(dw: Array, hc: Array, hc_t: Array, delta: Array, head: Head,
+                        block: int) -> Array:
+    """``dw += h^T delta`` over vocabulary blocks of ``block`` columns, in place.
+
+    Blocking keeps the matmul output small (a full ``[H, V]`` product would be a second
+    accumulator-sized buffer), and ``hc_t`` (``h^T``, materialised) puts the ``"hv"`` product
+    in the plain ``[M, K] x [K, N]`` form that XLA:CPU hands to its fast matmul library.
+    """
+    bits = _as_bits(delta)
+
+    def body(col, width, acc):
+        blk = _from_bits(jax.lax.dynamic_slice_in_dim(bits, col, width, axis=1), delta.dtype)
+        if head.layout == "hv":
+            upd = matmul(hc_t, blk, ((1,), (0,)))
+            start = (0, col)
+        else:
+            upd = matmul(blk, hc, ((0,), (0,)))
+            start = (col, 0)
+        old = jax.lax.dynamic_slice(acc, start, upd.shape)
+        return jax.lax.dynamic_update_slice(acc, old + upd, start)
+
+    return sweep(head.vocab, min(block, head.vocab), body, dw)
+
+
+def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
+               grad_fn: GradFn | None, dweight_block: int = 4096,
+               ) -> tuple[tuple[Array, Array, Array], Any]:
+    """One pass over chunks of ``rows`` tokens.
+
+    Args:
+      h: ``[N, H]`` hidden states.
+      ids: ``[N]`` int32 chosen ids in ``[0, V)``.
+      head: The LM head.
+      temperature: Softmax temperature.
+      rows: Rows per chunk.
+      grad_fn: ``None`` for statistics only; else ``grad_fn(start, size, logp_chunk)`` returns
+        the chunk's ``g = dL/dlogp`` and the pass also forms the gradients.
+      dweight_block: Vocabulary columns per ``dW`` update.
+
+    Returns:
+      ``((logp, lse, entropy), grads)``: three ``[N]`` float32 vectors, and ``None`` or
+      ``(dh [N, H] in h's dtype, dW float32 in W's layout, db [V] float32 or None)``.
+    """
+    n, hidden = h.shape
+    vocab = head.vocab
+    h_t = None if grad_fn is None else jax.lax.optimization_barrier(h.T)
+
+    def chunk(start, size, carry):
+        stats, grads = carry
+        hc = _slice_rows(h, start, size)
+        idc = jax.lax.dynamic_slice_in_dim(ids, start, size)
+        z = head.logits(hc)
+        if z.dtype.itemsize < 4:  # keep the rounded logits narrow; consumers upcast on the fly
+            z = jax.lax.optimization_barrier(z)
+        s = z.astype(_F32) / temperature
+        chosen = jnp.take_along_axis(s, idc[:, None], axis=1)[:, 0]
+        logp, lse, ent = finish(*block_stats(s), chosen)
+        stats = tuple(jax.lax.dynamic_update_slice_in_dim(o, x, start, 0)
+                      for o, x in zip(stats, (logp, lse, ent), strict=True))
+        if grads is None:
+            return stats, None
+        dh_bits, dw, db = grads
+        coef = (grad_fn(start, size, logp) / temperature)[:, None]
+        hit = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) == idc[:, None]
+        delta = cast_to(coef * (hit.astype(_F32) - jnp.exp(s - lse[:, None])), head.logits_dtype)
+        dhc = _as_bits(head.dhidden(delta).astype(h.dtype))
+        dh_bits = jax.lax.dynamic_update_slice_in_dim(dh_bits, dhc, start, 0)
+        dw = _accumulate_dweight(dw, hc, _slice_rows(h_t, start, size, axis=1), delta, head,
+                                 dweight_block)
+        if db is not None:
+            db = db + jnp.sum(delta.astype(_F32), axis=0)
+        return stats, (dh_bits, dw, db)
+
+    stats0 = tuple(jnp.zeros((n,), _F32) for _ in range(3))
+    grads0 = None
+    if grad_fn is not None:
+        grads0 = (_as_bits(jnp.zeros((n, hidden), h.dtype)), jnp.zeros(head.w.shape, _F32),
+                  None if head.bias is None else jnp.zeros((vocab,), _F32))
+    stats, grads = sweep(n, rows, chunk, (stats0, grads0))
+    if grads is not None:
+        grads = (_from_bits(grads[0], h.dtype), *grads[1:])
+    return stats, grads
+
+
+def _flat(x: Array | None) -> Array | None:
+    return None if x is None else x.reshape(-1).astype(_F32)
+
+
+def _forward(hidden, w, bias, ids, mask, advantages, old, ref, num_items, *, config, layout,
+             logits_dtype, rows, with_grad):
+    b, t, hdim = hidden.shape
+    compute = common_dtype(hidden.dtype, w.dtype)
+    head = Head(w.astype(compute), bias, layout, logits_dtype)  # a mix: W upcast once
+    h = hidden.reshape(b * t, hdim).astype(compute)
+    ids = jnp.clip(ids.astype(jnp.int32), 0, head.vocab - 1).reshape(-1)
+    tau = config.temperature
+
+    grad_fn = None
+    if with_grad and token_separable(config):
+        weights = _flat(token_weights(mask, config, num_items))
+        adv = _flat(jnp.broadcast_to(advantages.astype(_F32)[:, None], (b, t)))
+        old_f, ref_f = _flat(old), _flat(ref)
+
+        def grad_fn(start, size, logp):
+            return token_loss_grad(logp, _rows(weights, start, size), _rows(adv, start, size),
+                                   config, _rows(old_f, start, size), _rows(ref_f, start, size))
+
+    (logp, _, ent), grads = head_sweep(h, ids, head, tau, rows, grad_fn)
+    loss, metrics, g = loss_from_token_stats(
+        logp.reshape(b, t), ent.reshape(b, t), mask, advantages, config, old, ref, num_items,
+        with_grad=with_grad and grads is None)
+    if g is not None:  # sequence level: a second pass with g known
+        g_flat = g.reshape(-1)
+        _, grads = head_sweep(h, ids, head, tau, rows,
+                              lambda start, size, _: jax.lax.dynamic_slice_in_dim(
+                                  g_flat, start, size))
+    if grads is None:
+        return loss, metrics, None
+    dh, dw, db = grads
+    return loss, metrics, (dh.reshape(hidden.shape).astype(hidden.dtype), dw.astype(w.dtype),
+                           None if db is None else db.astype(bias.dtype))
+
+
+def xla_lm_head_loss(
+    hidden: Array,
+    lm_head: Array,
+    ids: Array,
+    mask: Array,
+    advantages: Array,
+    *,
+    config: GRPOLossConfig,
+    old_logps: Array | None = None,
+    ref_logps: Array | None = None,
+    num_items_in_batch: Array | None = None,
+    lm_head_layout: str = "hv",
+    bias: Array | None = None,
+    logits_dtype: Any = None,
+    block_sizes: LmHeadBlockSizes | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """Fused, chunked GRPO loss from hidden states; differentiable w.r.t. hidden, head, bias.
+
+    Args, returns: as :func:`grpo_kernels.grpo_loss_from_hidden` (``logits_dtype`` resolved).
+    """
+    b, t, hdim = hidden.shape
+    logits_dtype = jnp.dtype(logits_dtype or common_dtype(hidden.dtype, lm_head.dtype))
+    vocab = lm_head.shape[1] if lm_head_layout == "hv" else lm_head.shape[0]
+    rows = plan_chunk(b * t, vocab, hdim, logits_dtype.itemsize,
+                      block_sizes or LmHeadBlockSizes(), jax.default_backend())
+    static = dict(config=config, layout=lm_head_layout, logits_dtype=logits_dtype, rows=rows)
+    rest = (ids, mask, advantages, old_logps, ref_logps, num_items_in_batch)
+
+    @jax.custom_vjp
+    def loss_fn(hidden, w, bias, rest):
+        loss, metrics, _ = _forward(hidden, w, bias, *rest, **static, with_grad=False)
+        return loss, metrics
+
+    def loss_fwd(hidden, w, bias, rest):
+        loss, metrics, grads = _forward(hidden, w, bias, *rest, **static, with_grad=True)
+        return (loss, metrics), (grads, rest)
+
+    def loss_bwd(res, cotangents):
+        grads, rest = res
+        ct = cotangents[0].astype(_F32)
+        scaled = tuple(None if x is None else cast_to(x.astype(_F32) * ct, x.dtype)
+                       for x in grads)
+        return (*scaled, jax.tree.map(zero_cotangent, rest, is_leaf=lambda x: x is None))
+
+    loss_fn.defvjp(loss_fwd, loss_bwd)
+    return loss_fn(hidden, lm_head, bias, rest)
