@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         out = loss_fn(h_t, w_t, **tensors)
         loss = out[0] if isinstance(out, tuple) else out
         loss.backward()
-        return float(loss)
+        return float(loss.detach())
 
     their_loss = theirs()
     their_ms = median_ms(theirs, args.iters, args.warmup)
