@@ -20,11 +20,12 @@ _MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_i
                   "alias_size_in_bytes", "generated_code_size_in_bytes")
 
 
-def _impl_list(text: str) -> list[str]:
+def impl_list(text: str, implementations=IMPLEMENTATIONS) -> list[str]:
+    """``--impl`` as a list of names from ``implementations``, with ``reference`` first."""
     impls = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [i for i in impls if i not in IMPLEMENTATIONS]
+    bad = [i for i in impls if i not in implementations]
     if not impls or bad:
-        raise ValueError(f"--impl must be a comma list of {sorted(IMPLEMENTATIONS)}, got {text!r}")
+        raise ValueError(f"--impl must be a comma list of {sorted(implementations)}, got {text!r}")
     if "reference" not in impls:
         impls.insert(0, "reference")  # ratios are always to the reference of the same run
     return list(dict.fromkeys(impls))
@@ -145,7 +146,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    impls = _impl_list(args.impl)
+    impls = impl_list(args.impl)
     for name in ("batch", "time", "vocab", "iters"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")

@@ -14,20 +14,11 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.cli import common
-from grpo_kernels.cli.bench import _MEMORY_FIELDS, machine_description
-from grpo_kernels.ops.lm_head_loss import IMPLEMENTATIONS, LAYOUTS, grpo_loss_from_hidden
+from grpo_kernels.cli.bench import _MEMORY_FIELDS, impl_list, machine_description
+from grpo_kernels.ops.lm_head_loss import (IMPLEMENTATIONS, LAYOUTS, LmHeadBlockSizes,
+                                           grpo_loss_from_hidden)
 from grpo_kernels.ops.lm_head_loss.inputs import random_head_inputs
 from grpo_kernels.ops.logits_loss.inputs import parse_dtype
-
-
-def _impl_list(text: str) -> list[str]:
-    impls = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [i for i in impls if i not in IMPLEMENTATIONS]
-    if not impls or bad:
-        raise ValueError(f"--impl must be a comma list of {sorted(IMPLEMENTATIONS)}, got {text!r}")
-    if "reference" not in impls:
-        impls.insert(0, "reference")
-    return list(dict.fromkeys(impls))
 
 
 def time_compiled(name: str, fn: Callable[..., Any], args: tuple[Any, ...], iters: int,
@@ -90,7 +81,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    impls = _impl_list(args.impl)
+    impls = impl_list(args.impl, IMPLEMENTATIONS)
     for name in ("batch", "time", "hidden", "vocab", "iters"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -110,7 +101,6 @@ def run(args: argparse.Namespace) -> int:
     def step_for(impl: str):
         kw: dict[str, Any] = {}
         if impl == "xla" and args.chunk_tokens:
-            from grpo_kernels import LmHeadBlockSizes
             kw["block_sizes"] = LmHeadBlockSizes(chunk_tokens=args.chunk_tokens)
 
         def loss(h, w):

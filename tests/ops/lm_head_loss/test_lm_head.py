@@ -186,10 +186,10 @@ def test_temp_memory_is_independent_of_tokens():
 
 
 def test_plan_chunk():
-    assert plan_chunk(4096, 32768, 512, 2, LmHeadBlockSizes(), "cpu") == 128
-    assert plan_chunk(4096, 32768, 512, 4, LmHeadBlockSizes(), "cpu") == 256
-    assert plan_chunk(100, 32768, 512, 2, LmHeadBlockSizes(chunk_tokens=300), "cpu") == 100
-    assert plan_chunk(10**6, 10**7, 512, 2, LmHeadBlockSizes(), "cpu") == 8
+    assert plan_chunk(4096, 32768, 2, LmHeadBlockSizes(), "cpu") == 128
+    assert plan_chunk(4096, 32768, 4, LmHeadBlockSizes(), "cpu") == 256
+    assert plan_chunk(100, 32768, 2, LmHeadBlockSizes(chunk_tokens=300), "cpu") == 100
+    assert plan_chunk(10**6, 10**7, 2, LmHeadBlockSizes(), "cpu") == 8
 
 
 @pytest.mark.parametrize("kwargs,match", [

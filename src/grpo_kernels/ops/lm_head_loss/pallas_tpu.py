@@ -122,10 +122,9 @@ def _matmul_hw(h: Array, w: Array, layout: str) -> Array:
     return _dot(h, w, ((1,), (0,)) if layout == "hv" else ((1,), (1,)))
 
 
-def _scaled_logits(h, w_ref, b_ref, col0, *, vocab, layout, logits_dtype, tau):
-    """Masked ``s = cast(h W + b) / tau`` of one ``[tm, tv]`` tile, float32; and the column mask."""
-    w = w_ref[...]
-    z = _matmul_hw(h, w, layout)
+def _finish_logits(z, b_ref, col0, *, vocab, logits_dtype, tau):
+    """``s = cast(z + b) / tau`` of one ``[tm, tv]`` float32 product tile starting at column
+    ``col0``; with the tile's column indices and the mask of the columns inside ``V``."""
     if b_ref is not None:
         z = z + b_ref[...].astype(_F32)
     s = z.astype(logits_dtype).astype(_F32) / tau
@@ -155,12 +154,9 @@ def _stats_kernel(*refs, vocab, tv, nk, layout, logits_dtype, tau, has_bias):
 
     @pl.when(k == nk - 1)
     def _():
-        z = acc[...]
-        if b_ref is not None:
-            z = z + b_ref[...].astype(_F32)
-        s = z.astype(logits_dtype).astype(_F32) / tau
-        cols = j * tv + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        s = jnp.where(cols < vocab, s, -jnp.inf)
+        s, cols, valid = _finish_logits(acc[...], b_ref, j * tv, vocab=vocab,
+                                        logits_dtype=logits_dtype, tau=tau)
+        s = jnp.where(valid, s, -jnp.inf)
         c_sc[...] += jnp.sum(jnp.where(cols == ids_ref[...], s, 0.0), axis=1, keepdims=True)
         m, tot, q = merge_stats((m_sc[...], s_sc[...], q_sc[...]),
                                 block_stats(s, keepdims=True))
@@ -215,7 +211,7 @@ def _delta(h, w_ref, b_ref, ids_ref, lse_ref, coef_ref, col0, *, vocab, layout, 
            tau):
     """``(delta, w)`` of one tile: the logits gradient (logits dtype, 0 past V) and the W tile
     with its columns past V zeroed (they hold garbage: the tile overhangs the array)."""
-    s, cols, valid = _scaled_logits(h, w_ref, b_ref, col0, vocab=vocab, layout=layout,
+    s, cols, valid = _finish_logits(_matmul_hw(h, w_ref[...], layout), b_ref, col0, vocab=vocab,
                                     logits_dtype=logits_dtype, tau=tau)
     p = jnp.exp(s - lse_ref[...])
     delta = coef_ref[...] * ((cols == ids_ref[...]).astype(_F32) - p)

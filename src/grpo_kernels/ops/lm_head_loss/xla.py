@@ -28,7 +28,7 @@ the op then runs the loop twice: statistics first (one matmul), then the gradien
 ``g`` known (three more).
 
 Peak temporary memory is ``O(c V)`` plus the ``[H, V]`` float32 accumulator and ``[N, H]`` for
-``dhidden``: no ``[N, V]`` array exists. ``c`` comes from a byte budget over ``V`` and ``H``
+``dhidden``: no ``[N, V]`` array exists. ``c`` comes from a byte budget over ``V``
 (:func:`plan_chunk`).
 """
 
@@ -78,17 +78,16 @@ class LmHeadBlockSizes:
 _DEFAULT_CHUNK_BYTES = {"cpu": 16 << 20, "gpu": 1 << 30, "tpu": 1 << 30}
 
 
-def plan_chunk(n_rows: int, vocab: int, hidden: int, logits_itemsize: int,
-               blocks: LmHeadBlockSizes, backend: str) -> int:
+def plan_chunk(n_rows: int, vocab: int, logits_itemsize: int, blocks: LmHeadBlockSizes,
+               backend: str) -> int:
     """Rows per chunk: the byte budget over a row's float32 logits, a multiple of 8.
 
-    ``hidden`` and the logits width enter through the budget: a row costs ``4 V`` bytes of
-    float32 logits (plus a narrower copy and the gradient). With float32 logits the float32
+    A row costs ``4 V`` bytes of float32 logits (plus a narrower copy and the gradient); the
+    ``[c, H]`` buffers are small beside them and do not enter. With float32 logits the float32
     ``dW`` accumulator is the output itself, so the default budget doubles (on the development
     CPU, 256 rows at ``V = 32768`` beat 128 by 15% for float32; for bfloat16 the accumulator
     is extra and 128 rows keep the temporaries near a tenth of the reference's, docs/lm_head.md).
     """
-    del hidden
     if blocks.chunk_tokens is not None:
         return min(blocks.chunk_tokens, n_rows)
     budget = blocks.chunk_bytes or (_DEFAULT_CHUNK_BYTES.get(backend, 256 << 20)
@@ -135,12 +134,6 @@ class Head:
         """``delta W^T`` for ``delta [c, V]``: ``[c, H]`` float32."""
         k = 1 if self.layout == "hv" else 0
         return matmul(delta, self.w, ((1,), (k,)))
-
-    def dweight(self, h: Array, delta: Array) -> Array:
-        """``h^T delta`` in the layout of ``W`` (``[H, V]`` or ``[V, H]``), float32."""
-        if self.layout == "hv":
-            return matmul(h, delta, ((0,), (0,)))
-        return matmul(delta, h, ((0,), (0,)))
 
 
 def _rows(x: Array | None, start: Any, size: int) -> Array | None:
@@ -307,10 +300,10 @@ def xla_lm_head_loss(
 
     Args, returns: as :func:`grpo_kernels.grpo_loss_from_hidden` (``logits_dtype`` resolved).
     """
-    b, t, hdim = hidden.shape
+    b, t, _ = hidden.shape
     logits_dtype = jnp.dtype(logits_dtype or common_dtype(hidden.dtype, lm_head.dtype))
     vocab = lm_head.shape[1] if lm_head_layout == "hv" else lm_head.shape[0]
-    rows = plan_chunk(b * t, vocab, hdim, logits_dtype.itemsize,
+    rows = plan_chunk(b * t, vocab, logits_dtype.itemsize,
                       block_sizes or LmHeadBlockSizes(), jax.default_backend())
     static = dict(config=config, layout=lm_head_layout, logits_dtype=logits_dtype, rows=rows)
     rest = (ids, mask, advantages, old_logps, ref_logps, num_items_in_batch)
