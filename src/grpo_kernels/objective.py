@@ -22,7 +22,7 @@ where :math:`\rho` is the reference policy's log-prob. The loss is
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,18 @@ import jax.numpy as jnp
 from grpo_kernels.config import GRPOLossConfig
 
 Array = jax.Array
+
+BatchSum = Callable[[Array], Array]
+"""Maps a sum over this device's part of the batch to the sum over the whole batch.
+
+The identity on one device; ``psum`` over the batch axes inside ``shard_map``
+(:mod:`grpo_kernels.sharding`). Every normaliser and every mean below goes through it, so a
+sharded loss equals the one-device loss.
+"""
+
+
+def _local(x: Array) -> Array:
+    return x
 
 
 def _f32(x: Any) -> Array:
@@ -40,6 +52,7 @@ def token_weights(
     mask: Array,
     config: GRPOLossConfig,
     num_items_in_batch: Array | float | None = None,
+    batch_sum: BatchSum = _local,
 ) -> Array:
     r"""Per-token weights ``w`` such that the loss is ``sum(w * per_token_loss)``.
 
@@ -54,22 +67,22 @@ def token_weights(
     Args:
       mask: ``[B, T]`` completion mask in {0, 1}.
       config: Loss options; ``loss_type`` and ``max_completion_length`` are read.
-      num_items_in_batch: The ``dapo`` normaliser; ignored by the other loss types.
+      num_items_in_batch: The ``dapo`` normaliser (of the whole batch); ignored by the other
+        loss types.
+      batch_sum: Local sum -> whole-batch sum (see :data:`BatchSum`); ``B`` and ``N`` above
+        are whole-batch figures.
 
     Returns:
-      ``[B, T]`` float32 weights; all zero when the mask is all zero.
+      ``[B, T]`` float32 weights (this device's rows); all zero when the mask is all zero.
     """
     mask = _f32(mask)
-    batch = mask.shape[0]
     if config.loss_type == "grpo":
         counts = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0)
-        return mask / (counts * batch)
-    if config.loss_type == "bnpo":
-        return mask / jnp.maximum(jnp.sum(mask), 1.0)
+        return mask / (counts * batch_sum(_f32(mask.shape[0])))
     if config.loss_type == "dr_grpo":
-        return mask / float(batch * config.max_completion_length)
-    if num_items_in_batch is None:
-        return mask / jnp.maximum(jnp.sum(mask), 1.0)
+        return mask / (batch_sum(_f32(mask.shape[0])) * float(config.max_completion_length))
+    if config.loss_type == "bnpo" or num_items_in_batch is None:
+        return mask / jnp.maximum(batch_sum(jnp.sum(mask)), 1.0)
     return mask / _f32(num_items_in_batch)
 
 
@@ -133,6 +146,7 @@ def grpo_objective(
     old_logps: Array | None = None,
     ref_logps: Array | None = None,
     num_items_in_batch: Array | float | None = None,
+    batch_sum: BatchSum = _local,
 ) -> tuple[Array, dict[str, Array]]:
     """The scalar GRPO loss as a function of the chosen-token log-probs.
 
@@ -145,6 +159,7 @@ def grpo_objective(
         (``old = stop_gradient(logp)``, ratio exactly 1 with gradient ``A``).
       ref_logps: ``[B, T]`` reference-policy log-probs; required when ``beta > 0``.
       num_items_in_batch: The ``dapo`` normaliser.
+      batch_sum: Local sum -> whole-batch sum (see :data:`BatchSum`).
 
     Returns:
       ``(loss, aux)`` where ``aux`` holds ``coef_1`` and ``kl`` (``[B, T]``) for the metrics.
@@ -155,15 +170,15 @@ def grpo_objective(
     per_token, coef_1, kl = per_token_loss(
         logp, log_ratio, _f32(advantages)[:, None], config, ref_logps
     )
-    weights = token_weights(mask, config, num_items_in_batch)
-    loss = jnp.sum(weights * per_token)
+    weights = token_weights(mask, config, num_items_in_batch, batch_sum)
+    loss = batch_sum(jnp.sum(weights * per_token))
     return loss, {"coef_1": coef_1, "kl": kl}
 
 
-def masked_mean(x: Array, mask: Array) -> Array:
+def masked_mean(x: Array, mask: Array, batch_sum: BatchSum = _local) -> Array:
     """``sum(x * mask) / max(sum(mask), 1)``: zero, never NaN, for an all-zero mask."""
     mask = _f32(mask)
-    return jnp.sum(_f32(x) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    return batch_sum(jnp.sum(_f32(x) * mask)) / jnp.maximum(batch_sum(jnp.sum(mask)), 1.0)
 
 
 def loss_metrics(
@@ -173,8 +188,11 @@ def loss_metrics(
     mask: Array,
     advantages: Array,
     config: GRPOLossConfig,
+    batch_sum: BatchSum = _local,
 ) -> dict[str, Array]:
     """Metrics reported beside the loss (TRL's definitions), all without gradient.
+
+    Means are over the whole batch (``batch_sum``, see :data:`BatchSum`):
 
     - ``logp``: ``[B, T]`` per-token log-probs of the chosen tokens.
     - ``clip_ratio_low``: share with ``coef_1 < 1 - eps_low`` and ``A < 0``;
@@ -190,17 +208,19 @@ def loss_metrics(
     high = ((coef_1 > 1.0 + config.epsilon_high) & (adv > 0)).astype(jnp.float32)
     region = jnp.maximum(low, high)
     if config.importance_sampling_level == "sequence":
-        clip_mean = lambda x: jnp.mean(x[:, 0]) if x.shape[0] else jnp.float32(0)  # noqa: E731
+        def clip_mean(x):
+            return batch_sum(jnp.sum(x[:, 0])) / jnp.maximum(batch_sum(_f32(x.shape[0])), 1.0)
     else:
-        clip_mean = lambda x: masked_mean(x, mask)  # noqa: E731
+        def clip_mean(x):
+            return masked_mean(x, mask, batch_sum)
     kl = aux["kl"]
     return {
         "logp": sg(_f32(logp)),
         "clip_ratio_low": clip_mean(low),
         "clip_ratio_high": clip_mean(high),
         "clip_ratio_region": clip_mean(region),
-        "kl": jnp.float32(0.0) if kl is None else masked_mean(sg(kl), mask),
-        "entropy": masked_mean(sg(entropy), mask),
+        "kl": jnp.float32(0.0) if kl is None else masked_mean(sg(kl), mask, batch_sum),
+        "entropy": masked_mean(sg(entropy), mask, batch_sum),
     }
 
 

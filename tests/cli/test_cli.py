@@ -165,3 +165,14 @@ def test_bench_lm_head_rejects_bad_flags(capsys):
 
     assert main(["bench-lm-head", "--impl", "xla,magic"]) == 2
     assert "--impl must be a comma list" in capsys.readouterr().err
+
+
+def test_mesh_without_the_devices_says_how_to_get_them(capsys):
+    import jax
+
+    from grpo_kernels.cli.main import main
+
+    n = jax.device_count() * 2
+    assert main(["bench", "--mesh", f"dp={n}", "--iters", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"needs {n} devices" in err and "xla_force_host_platform_device_count" in err

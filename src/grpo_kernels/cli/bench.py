@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -13,8 +14,10 @@ from typing import Any
 import jax
 
 from grpo_kernels.cli import common
+from grpo_kernels.cli import mesh as mesh_flags
 from grpo_kernels.ops.logits_loss import IMPLEMENTATIONS, grpo_loss
 from grpo_kernels.ops.logits_loss.inputs import parse_dtype, random_inputs
+from grpo_kernels.sharding import sharded_grpo_loss
 
 _MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
                   "alias_size_in_bytes", "generated_code_size_in_bytes")
@@ -60,15 +63,46 @@ def machine_description() -> dict[str, Any]:
             "cpu": platform.processor() or platform.machine(), "python": platform.python_version()}
 
 
+def loss_fn(impl: str, inp, config, sharded=None):
+    """``logits -> (loss, metrics)`` on one device, or under ``sharded = (mesh, spec)``."""
+    if sharded is None:
+        return lambda z: grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=config,
+                                   impl=impl, **inp.kwargs())
+    mesh, spec = sharded
+    return lambda z: sharded_grpo_loss(z, inp.ids, inp.mask, inp.advantages, mesh=mesh,
+                                       sharding=spec, config=config, impl=impl, **inp.kwargs())
+
+
+def place(inp, sharded):
+    """The inputs laid out as :func:`grpo_kernels.sharding.sharded_grpo_loss` wants them."""
+    mesh, spec = sharded
+    rows = spec.rows(2)
+    return dataclasses.replace(
+        inp, logits=mesh_flags.put(mesh, inp.logits, spec.logits()),
+        ids=mesh_flags.put(mesh, inp.ids, rows), mask=mesh_flags.put(mesh, inp.mask, rows),
+        advantages=mesh_flags.put(mesh, inp.advantages, spec.rows(1)),
+        old_logps=mesh_flags.put(mesh, inp.old_logps, rows),
+        ref_logps=mesh_flags.put(mesh, inp.ref_logps, rows))
+
+
+def temp_bytes(fn, *args) -> int | None:
+    """Planned temporary bytes of ``jit(value_and_grad(fn))`` (compiled, not run)."""
+    analysis = jax.jit(jax.value_and_grad(fn, has_aux=True)).lower(*args).compile()
+    analysis = analysis.memory_analysis()
+    return getattr(analysis, "temp_size_in_bytes", None) if analysis else None
+
+
 def measure(impl: str, inp, config, iters: int, warmup: int, show_progress: bool,
-            donate: bool = False) -> dict[str, Any]:
+            donate: bool = False, sharded=None) -> dict[str, Any]:
     """Compiles and times ``jit(value_and_grad(loss))`` of one implementation.
 
     With ``donate`` the logits are donated to the step (dlogits may take their buffer); every
-    call then gets a fresh copy of the logits, made outside the timed region.
+    call then gets a fresh copy of the logits, made outside the timed region. With
+    ``sharded = (mesh, spec)`` the step is :func:`grpo_kernels.sharding.sharded_grpo_loss` on
+    inputs already laid out (:func:`place`); memory figures are then per device, and the
+    collectives' bytes per device are added.
     """
-    fn = lambda z: grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=config,  # noqa: E731
-                             impl=impl, **inp.kwargs())
+    fn = loss_fn(impl, inp, config, sharded)
     step = jax.jit(jax.value_and_grad(fn, has_aux=True), donate_argnums=(0,) if donate else ())
 
     def logits():
@@ -102,6 +136,7 @@ def measure(impl: str, inp, config, iters: int, warmup: int, show_progress: bool
     peak = proc_status_bytes("VmHWM") if rss_before is not None else None
     return {
         "impl": impl,
+        **(mesh_flags.collective_fields(compiled) if sharded else {}),
         "avg_step_ms": 1e3 * statistics.fmean(times),
         "median_step_ms": 1e3 * statistics.median(times),
         "min_step_ms": 1e3 * min(times),
@@ -140,7 +175,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="exit 1 unless every non-reference temp bytes <= this x reference")
     p.add_argument("--format", choices=["both", "json", "table"], default="both",
                    help="JSON line per implementation, the table, or both (default)")
+    p.add_argument("--max-temp-scaling", type=float,
+                   help="with --mesh: exit 1 unless every implementation's per-device temp "
+                   "bytes x k <= this x its one-device temp bytes (k = vocab shards)")
     common.add_loss_flags(p)
+    mesh_flags.add_mesh_flags(p)
     common.add_wandb_flags(p)
     p.set_defaults(run=run)
 
@@ -155,16 +194,28 @@ def run(args: argparse.Namespace) -> int:
     if "pallas" in impls and jax.default_backend() == "cpu":
         print("bench: note: on CPU the pallas kernels run in interpret mode (a test tool, orders "
               "of magnitude slower); its times say nothing about TPU/GPU", file=sys.stderr)
+    sharded = mesh_flags.setup(args)
+    if args.max_temp_scaling is not None and sharded is None:
+        raise ValueError("--max-temp-scaling needs --mesh")
     config = common.loss_config_from({}, args)
     inp = random_inputs(args.seed, args.batch, args.time, args.vocab, parse_dtype(args.dtype),
                         config)
     shape = {"batch": args.batch, "time": args.time, "vocab": args.vocab, "dtype": args.dtype,
              "iters": args.iters, "warmup": args.warmup, "donate": args.donate}
+    if sharded:
+        shape.update(mesh_flags.describe(*sharded))
     machine = machine_description()
-    results = [measure(i, inp, config, args.iters, args.warmup, args.format != "json",
-                       donate=args.donate) for i in impls]
-    ref = results[0]
+    if sharded:
+        sharded[1].check_divisible(sharded[0], args.batch, args.vocab, "--batch/--vocab")
+    placed = place(inp, sharded) if sharded else inp
+    results = [measure(i, placed, config, args.iters, args.warmup, args.format != "json",
+                       donate=args.donate, sharded=sharded) for i in impls]
     ok = True
+    if sharded:
+        ok = mesh_flags.add_scaling(results, shape["vocab_shards"], args.max_temp_scaling,
+                                    lambda impl: temp_bytes(loss_fn(impl, inp, config),
+                                                            inp.logits))
+    ref = results[0]
     for r in results:
         for key in ("avg_step_ms", "median_step_ms", "first_call_s", "temp_size_in_bytes",
                     "peak_bytes_in_use"):
@@ -184,10 +235,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nbench B={args.batch} T={args.time} V={args.vocab} {args.dtype}"
               f"{', logits donated' if args.donate else ''}, "
               f"{args.iters} iters after {args.warmup} warm-up, {machine['backend']} "
-              f"({machine['device']}), jax {machine['jax']}")
+              f"({machine['device']}), jax {machine['jax']}"
+              f"{mesh_flags.title(shape) if sharded else ''}")
         cols = ["impl", "median_step_ms", "avg_step_ms", "first_call_s", "temp_size_in_bytes",
                 "peak_bytes_in_use", "median_step_ms_ratio_to_reference",
                 "temp_size_in_bytes_ratio_to_reference"]
+        if sharded:
+            cols += mesh_flags.COLUMNS
         print(common.fmt_table(results, cols))
     common.log_wandb(args, "bench", {**shape, **config.to_dict()},
                      [{f"{r['impl']}/{k}": v for k, v in r.items()} for r in results])

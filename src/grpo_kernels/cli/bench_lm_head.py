@@ -14,22 +14,33 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.cli import common
+from grpo_kernels.cli import mesh as mesh_flags
 from grpo_kernels.cli.bench import _MEMORY_FIELDS, impl_list, machine_description
-from grpo_kernels.ops.lm_head_loss import (IMPLEMENTATIONS, LAYOUTS, LmHeadBlockSizes,
-                                           grpo_loss_from_hidden)
+from grpo_kernels.ops.lm_head_loss import (
+    IMPLEMENTATIONS,
+    LAYOUTS,
+    LmHeadBlockSizes,
+    grpo_loss_from_hidden,
+)
 from grpo_kernels.ops.lm_head_loss.inputs import random_head_inputs
 from grpo_kernels.ops.logits_loss.inputs import parse_dtype
+from grpo_kernels.sharding import sharded_grpo_loss_from_hidden
 
 
 def time_compiled(name: str, fn: Callable[..., Any], args: tuple[Any, ...], iters: int,
-                  warmup: int, show_progress: bool) -> dict[str, Any]:
-    """Compiles ``jit(fn)`` once (first-call time, memory analysis), then times ``iters`` calls."""
+                  warmup: int, show_progress: bool, collectives: bool = False) -> dict[str, Any]:
+    """Compiles ``jit(fn)`` once (first-call time, memory analysis), then times ``iters`` calls.
+
+    With ``collectives``, the bytes each device receives from collectives are added.
+    """
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     jax.block_until_ready(compiled(*args))
     first_call_s = time.perf_counter() - t0
     analysis = compiled.memory_analysis()
     memory = {f: getattr(analysis, f, None) for f in _MEMORY_FIELDS} if analysis else {}
+    if collectives:
+        memory.update(mesh_flags.collective_fields(compiled))
 
     def call() -> float:
         t = time.perf_counter()
@@ -74,8 +85,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="exit 1 unless every fused median time <= this x reference")
     p.add_argument("--max-temp-ratio", type=float,
                    help="exit 1 unless every fused temp bytes <= this x reference")
+    p.add_argument("--max-temp-scaling", type=float,
+                   help="with --mesh: exit 1 unless every fused implementation's per-device "
+                   "temp bytes x k <= this x its one-device temp bytes (k = vocab shards)")
     p.add_argument("--format", choices=["both", "json", "table"], default="both")
     common.add_loss_flags(p)
+    mesh_flags.add_mesh_flags(p)
     common.add_wandb_flags(p)
     p.set_defaults(run=run)
 
@@ -92,26 +107,49 @@ def run(args: argparse.Namespace) -> int:
     if "pallas" in impls and jax.default_backend() == "cpu":
         print("bench-lm-head: note: on CPU the pallas kernels run in interpret mode; their "
               "times say nothing about TPU", file=sys.stderr)
+    sharded = mesh_flags.setup(args)
+    if args.max_temp_scaling is not None and sharded is None:
+        raise ValueError("--max-temp-scaling needs --mesh")
     config = common.loss_config_from({}, args)
     dtype = parse_dtype(args.dtype)
     inp = random_head_inputs(args.seed, args.batch, args.time, args.hidden, args.vocab, dtype,
                              config, layout=args.layout)
     show = args.format != "json"
 
-    def step_for(impl: str):
+    def step_for(impl: str, on_mesh: bool = True):
         kw: dict[str, Any] = {}
         if impl == "xla" and args.chunk_tokens:
             kw["block_sizes"] = LmHeadBlockSizes(chunk_tokens=args.chunk_tokens)
+        if sharded and on_mesh:
+            kw.update(mesh=sharded[0], sharding=sharded[1])
+            op = sharded_grpo_loss_from_hidden
+        else:
+            op = grpo_loss_from_hidden
 
         def loss(h, w):
-            return grpo_loss_from_hidden(h, w, inp.ids, inp.mask, inp.advantages, config=config,
-                                         impl=impl, lm_head_layout=args.layout,
-                                         old_logps=inp.old_logps, ref_logps=inp.ref_logps, **kw)
+            return op(h, w, inp.ids, inp.mask, inp.advantages, config=config, impl=impl,
+                      lm_head_layout=args.layout, old_logps=inp.old_logps,
+                      ref_logps=inp.ref_logps, **kw)
 
         return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
 
-    results = [time_compiled(i, step_for(i), (inp.hidden, inp.lm_head), args.iters,
-                             args.warmup, show) for i in impls]
+    args_ = (inp.hidden, inp.lm_head)
+    if sharded:
+        mesh, spec = sharded
+        spec.check_divisible(mesh, args.batch, args.vocab, "--batch/--vocab")
+        args_ = (mesh_flags.put(mesh, inp.hidden, spec.rows(3)),
+                 mesh_flags.put(mesh, inp.lm_head, spec.head(args.layout)))
+    results = [time_compiled(i, step_for(i), args_, args.iters, args.warmup, show,
+                             collectives=bool(sharded)) for i in impls]
+    ok = True
+    if sharded:
+        def one_device_temp(impl: str) -> int | None:
+            compiled = jax.jit(step_for(impl, on_mesh=False)).lower(inp.hidden,
+                                                                    inp.lm_head).compile()
+            analysis = compiled.memory_analysis()
+            return getattr(analysis, "temp_size_in_bytes", None) if analysis else None
+
+        ok = mesh_flags.add_scaling(results, spec.vocab_shards(mesh), None, one_device_temp)
     n = args.batch * args.time
     dims = (((1,), (0 if args.layout == "hv" else 1,)), ((), ()))
     floor = time_compiled(
@@ -121,9 +159,10 @@ def run(args: argparse.Namespace) -> int:
     shape = {"batch": args.batch, "time": args.time, "hidden": args.hidden,
              "vocab": args.vocab, "dtype": args.dtype, "layout": args.layout,
              "iters": args.iters, "warmup": args.warmup}
+    if sharded:
+        shape.update(mesh_flags.describe(*sharded))
     machine = machine_description()
     ref = results[0]
-    ok = True
     for r in [*results, floor]:
         for key in ("median_step_ms", "first_call_s", "temp_size_in_bytes", "peak_bytes_in_use"):
             a, b = r.get(key), ref.get(key)
@@ -133,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
         if r["impl"] not in ("reference", "matmul"):
             gates = (("gate_floor", "time_over_3_matmuls", args.max_floor_ratio),
                      ("gate_time", "median_step_ms_ratio_to_reference", args.max_time_ratio),
-                     ("gate_temp", "temp_size_in_bytes_ratio_to_reference", args.max_temp_ratio))
+                     ("gate_temp", "temp_size_in_bytes_ratio_to_reference", args.max_temp_ratio),
+                    ("gate_temp_scaling", "temp_scaling", args.max_temp_scaling))
             for gate, key, limit in gates:
                 if limit is not None and r[key] is not None:
                     r[gate] = r[key] <= limit
@@ -143,10 +183,13 @@ def run(args: argparse.Namespace) -> int:
     if args.format != "json":
         print(f"\nbench-lm-head B={args.batch} T={args.time} H={args.hidden} V={args.vocab} "
               f"{args.dtype} layout={args.layout}, {args.iters} iters after {args.warmup} "
-              f"warm-up, {machine['backend']} ({machine['device']}), jax {machine['jax']}")
+              f"warm-up, {machine['backend']} ({machine['device']}), jax {machine['jax']}"
+              f"{mesh_flags.title(shape) if sharded else ''}")
         cols = ["impl", "median_step_ms", "first_call_s", "temp_size_in_bytes",
                 "peak_bytes_in_use", "median_step_ms_ratio_to_reference",
                 "temp_size_in_bytes_ratio_to_reference", "time_over_3_matmuls"]
+        if sharded:
+            cols += mesh_flags.COLUMNS
         print(common.fmt_table([*results, floor], cols))
     common.log_wandb(args, "bench-lm-head", {**shape, **config.to_dict()},
                      [{f"{r['impl']}/{k}": v for k, v in r.items()} for r in [*results, floor]])

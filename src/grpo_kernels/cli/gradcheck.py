@@ -83,7 +83,7 @@ def check_one(impl: str, config: GRPOLossConfig, settings: GradcheckSettings,
                         config, noise=settings.noise, logit_scale=settings.logit_scale)
 
     def value_and_grad(name):
-        fn = lambda z: grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=config,  # noqa: E731
+        fn = lambda z: grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=config,
                                  impl=name, **inp.kwargs())
         (loss, _), d = jax.jit(jax.value_and_grad(fn, has_aux=True))(inp.logits)
         return float(loss), np.asarray(d.astype(jnp.float32), np.float64)

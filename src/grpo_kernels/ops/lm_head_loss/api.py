@@ -8,10 +8,22 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.ops.lm_head_loss.pallas_tpu import LmHeadPallasOptions, pallas_lm_head_loss
+from grpo_kernels.ops.lm_head_loss.pallas_tpu import (
+    LmHeadPallasOptions,
+    pallas_lm_head_loss,
+)
 from grpo_kernels.ops.lm_head_loss.reference import reference_lm_head_loss
-from grpo_kernels.ops.lm_head_loss.xla import LmHeadBlockSizes, common_dtype, xla_lm_head_loss
-from grpo_kernels.ops.logits_loss.api import _check_ids_in_range, validate_inputs
+from grpo_kernels.ops.lm_head_loss.xla import (
+    LmHeadBlockSizes,
+    common_dtype,
+    xla_lm_head_loss,
+)
+from grpo_kernels.ops.logits_loss.api import (
+    _check_ids_in_range,
+    as_num_items,
+    resolve_impl,
+    validate_inputs,
+)
 
 Array = jax.Array
 
@@ -21,6 +33,7 @@ IMPLEMENTATIONS: dict[str, Callable[..., tuple[Array, dict[str, Array]]]] = {
     "pallas": pallas_lm_head_loss,
 }
 IMPL_CHOICES: tuple[str, ...] = ("auto", *IMPLEMENTATIONS)
+OPTION_TYPES: dict[str, type] = {"xla": LmHeadBlockSizes, "pallas": LmHeadPallasOptions}
 LAYOUTS: tuple[str, ...] = ("hv", "vh")
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -139,22 +152,13 @@ def grpo_loss_from_hidden(
     b, t, _ = hidden.shape
     validate_inputs(jax.ShapeDtypeStruct((b, t, vocab), logits_dtype), ids, mask, advantages,
                     config, old_logps, ref_logps)
-    if impl not in IMPL_CHOICES:
-        raise ValueError(f"impl must be one of {IMPL_CHOICES}, got {impl!r}")
+    impl = resolve_impl(impl, block_sizes, OPTION_TYPES, default_impl)
     if check_ids:
         _check_ids_in_range(ids, mask, vocab)
-    if impl == "auto":
-        impl = default_impl()
-    wants = {"xla": LmHeadBlockSizes, "pallas": LmHeadPallasOptions}.get(impl)
-    if block_sizes is not None and (wants is None or not isinstance(block_sizes, wants)):
-        raise ValueError(
-            "block_sizes must be LmHeadBlockSizes for impl='xla' or LmHeadPallasOptions for "
-            f"impl='pallas', got {type(block_sizes).__name__} with impl={impl!r}")
     kwargs: dict[str, Any] = dict(
         config=config, old_logps=old_logps, ref_logps=ref_logps,
-        num_items_in_batch=None if num_items_in_batch is None
-        else jnp.asarray(num_items_in_batch, jnp.float32),
+        num_items_in_batch=as_num_items(num_items_in_batch),
         lm_head_layout=lm_head_layout, bias=bias, logits_dtype=logits_dtype)
-    if wants is not None:
+    if impl in OPTION_TYPES:
         kwargs["block_sizes"] = block_sizes
     return IMPLEMENTATIONS[impl](hidden, lm_head, ids, mask, advantages, **kwargs)

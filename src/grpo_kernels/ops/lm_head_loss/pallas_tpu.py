@@ -39,11 +39,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from grpo_kernels.compat import out_struct
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import loss_from_token_stats
-from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, merge_stats
 from grpo_kernels.ops.lm_head_loss.xla import common_dtype
 from grpo_kernels.ops.lm_head_loss.xla import matmul as _dot
+from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, merge_stats
 from grpo_kernels.ops.logits_loss.xla import zero_cotangent
 
 Array = jax.Array
@@ -61,16 +62,22 @@ class LmHeadPallasOptions:
       block_hidden: ``H`` tile ``tk`` of the statistics kernel (a divisor of ``H``, multiple of
         128, or ``H``); ``None``: the largest of 2048, 1024, 512 that divides ``H``, else ``H``.
       vmem_limit_bytes: Scoped VMEM limit of the kernels; ``None``: 64 MiB.
-      interpret: Interpret mode; ``None``: exactly when the backend is CPU.
+      interpret: Interpret mode; ``None``: exactly when the backend is CPU. ``"hlo"``: JAX's
+        generic HLO interpreter instead of the TPU one (used by :mod:`grpo_kernels.sharding`
+        on a CPU mesh, where the TPU interpreter's all-device barrier at each kernel can
+        deadlock against XLA:CPU's collectives).
     """
 
     block_rows: int | None = None
     block_vocab: int | None = None
     block_hidden: int | None = None
     vmem_limit_bytes: int | None = None
-    interpret: bool | None = None
+    interpret: bool | str | None = None
 
     def __post_init__(self) -> None:
+        if self.interpret not in (None, True, False, "hlo"):
+            raise ValueError(f"LmHeadPallasOptions.interpret must be None, True, False or "
+                             f"'hlo', got {self.interpret!r}")
         for name, mult in (("block_rows", 16), ("block_vocab", 128), ("block_hidden", 128),
                            ("vmem_limit_bytes", 1)):
             value = getattr(self, name)
@@ -109,11 +116,13 @@ def _params(tiles: Tiles, semantics: tuple[str, ...]) -> Any:
                                 vmem_limit_bytes=tiles.vmem_limit_bytes)
 
 
-def _interpret(interpret: bool) -> Any:
+def _interpret(interpret: bool | str) -> Any:
     # Reads past the array (the overhanging last vocabulary tile) return NaN instead of
     # raising: the kernels must mask them, and NaN makes any leak visible.
     if not interpret:
         return False
+    if interpret == "hlo":  # JAX's generic interpreter (see LmHeadPallasOptions.interpret)
+        return True
     return pltpu.InterpretParams(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
 
 
@@ -196,7 +205,7 @@ def head_statistics(h: Array, w: Array, bias: Array | None, ids: Array, *, layou
     kernel = functools.partial(_stats_kernel, vocab=vocab, tv=tv, nk=nk, layout=layout,
                                logits_dtype=logits_dtype, tau=temperature,
                                has_bias=bias is not None)
-    out = jax.ShapeDtypeStruct((n, 1), _F32)
+    out = out_struct((n, 1), _F32, *args)
     logp, lse, ent = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=[row, row, row],
         out_shape=[out, out, out],
@@ -295,7 +304,7 @@ def head_gradients(h: Array, w: Array, bias: Array | None, ids: Array, lse: Arra
     dh = pl.pallas_call(
         functools.partial(_dh_kernel, **static), grid=(nr, nv), in_specs=specs,
         out_specs=pl.BlockSpec((tm, hidden), lambda i, j: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((n, hidden), h.dtype),
+        out_shape=out_struct((n, hidden), h.dtype, h, w, *bias_args, *per_row),
         scratch_shapes=[pltpu.VMEM((tm, hidden), _F32)],
         compiler_params=_params(tiles, ("parallel", "arbitrary")),
         interpret=_interpret(interpret),
@@ -307,10 +316,10 @@ def head_gradients(h: Array, w: Array, bias: Array | None, ids: Array, lse: Arra
              _w_spec(tiles, hidden, layout, lambda j, i: (0, j))]
     specs += [pl.BlockSpec((1, tv), lambda j, i: (0, j))] * has_bias + [row] * 3
     out_specs = [_w_spec(tiles, hidden, layout, lambda j, i: (0, j))]
-    out_shape = [jax.ShapeDtypeStruct(w.shape, w.dtype)]
+    out_shape = [out_struct(w.shape, w.dtype, h, w, *bias_args, *per_row)]
     if has_bias:
         out_specs.append(pl.BlockSpec((1, tv), lambda j, i: (0, j)))
-        out_shape.append(jax.ShapeDtypeStruct((1, vocab), bias.dtype))
+        out_shape.append(out_struct((1, vocab), bias.dtype, h, w, *bias_args, *per_row))
     acc_shape = (hidden, tv) if layout == "hv" else (tv, hidden)
     outs = pl.pallas_call(
         functools.partial(_dw_kernel, **static), grid=(nv, nr), in_specs=specs,

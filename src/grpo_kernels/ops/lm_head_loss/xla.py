@@ -40,9 +40,14 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from grpo_kernels.compat import vary_like
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.objective import (loss_from_token_stats, token_loss_grad, token_separable,
-                                    token_weights)
+from grpo_kernels.objective import (
+    loss_from_token_stats,
+    token_loss_grad,
+    token_separable,
+    token_weights,
+)
 from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, sweep
 from grpo_kernels.ops.logits_loss.xla import cast_to, zero_cotangent
 
@@ -156,14 +161,19 @@ def _slice_rows(x: Array, start: Any, size: int, axis: int = 0) -> Array:
 
 GradFn = Callable[[Any, int, Array], Array]
 
+# Vocabulary columns per dW update: the update's float32 product is [H, DWEIGHT_BLOCK].
+DWEIGHT_BLOCK = 4096
+
 
 def _accumulate_dweight(dw: Array, hc: Array, hc_t: Array, delta: Array, head: Head,
                         block: int) -> Array:
     """``dw += h^T delta`` over vocabulary blocks of ``block`` columns, in place.
 
     Blocking keeps the matmul output small (a full ``[H, V]`` product would be a second
-    accumulator-sized buffer), and ``hc_t`` (``h^T``, materialised) puts the ``"hv"`` product
-    in the plain ``[M, K] x [K, N]`` form that XLA:CPU hands to its fast matmul library.
+    accumulator-sized buffer), and ``hc_t`` (the chunk's ``h^T``, materialised: ``[H, c]``)
+    puts the ``"hv"`` product in the plain ``[M, K] x [K, N]`` form that XLA:CPU hands to its
+    fast matmul library. Transposing per chunk rather than all of ``h`` once keeps an
+    ``[H, N]`` copy out of the temporaries at no measured cost (docs/lm_head.md).
     """
     bits = _as_bits(delta)
 
@@ -178,23 +188,32 @@ def _accumulate_dweight(dw: Array, hc: Array, hc_t: Array, delta: Array, head: H
         old = jax.lax.dynamic_slice(acc, start, upd.shape)
         return jax.lax.dynamic_update_slice(acc, old + upd, start)
 
-    return sweep(head.vocab, min(block, head.vocab), body, dw)
+    return sweep(head.vocab, min(block, head.vocab), body, dw, like=(hc, delta))
 
 
 def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
-               grad_fn: GradFn | None, dweight_block: int = 4096,
+               grad_fn: GradFn | None, dweight_block: int = DWEIGHT_BLOCK,
+               lse: Array | None = None,
+               reduce_dh: Callable[[Array], Array] | None = None,
                ) -> tuple[tuple[Array, Array, Array], Any]:
     """One pass over chunks of ``rows`` tokens.
 
     Args:
       h: ``[N, H]`` hidden states.
-      ids: ``[N]`` int32 chosen ids in ``[0, V)``.
+      ids: ``[N]`` int32 chosen ids in ``[0, V)``; in a gradient pass an id of ``-1`` means
+        "no column of this head" (a vocabulary shard that does not own the token, see
+        :mod:`grpo_kernels.sharding`): its one-hot term is zero and its statistics are junk.
       head: The LM head.
       temperature: Softmax temperature.
       rows: Rows per chunk.
       grad_fn: ``None`` for statistics only; else ``grad_fn(start, size, logp_chunk)`` returns
         the chunk's ``g = dL/dlogp`` and the pass also forms the gradients.
       dweight_block: Vocabulary columns per ``dW`` update.
+      lse: ``[N]`` logsumexp to use in the gradient instead of the one of these columns (the
+        whole-row value when the head is a vocabulary shard); ``None``: this pass's own.
+      reduce_dh: Applied to each chunk's float32 ``dh`` before it is stored: the ``psum`` over
+        the vocab axis when the head is a vocabulary shard, so that no ``[N, H]`` partial sum
+        is ever held (:mod:`grpo_kernels.sharding`).
 
     Returns:
       ``((logp, lse, entropy), grads)``: three ``[N]`` float32 vectors, and ``None`` or
@@ -202,7 +221,6 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
     """
     n, hidden = h.shape
     vocab = head.vocab
-    h_t = None if grad_fn is None else jax.lax.optimization_barrier(h.T)
 
     def chunk(start, size, carry):
         stats, grads = carry
@@ -212,29 +230,38 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
         if z.dtype.itemsize < 4:  # keep the rounded logits narrow; consumers upcast on the fly
             z = jax.lax.optimization_barrier(z)
         s = z.astype(_F32) / temperature
-        chosen = jnp.take_along_axis(s, idc[:, None], axis=1)[:, 0]
-        logp, lse, ent = finish(*block_stats(s), chosen)
+        chosen = jnp.take_along_axis(s, jnp.clip(idc, 0, vocab - 1)[:, None], axis=1)[:, 0]
+        logp, lse_c, ent = finish(*block_stats(s), chosen)
         stats = tuple(jax.lax.dynamic_update_slice_in_dim(o, x, start, 0)
-                      for o, x in zip(stats, (logp, lse, ent), strict=True))
+                      for o, x in zip(stats, (logp, lse_c, ent), strict=True))
         if grads is None:
             return stats, None
         dh_bits, dw, db = grads
         coef = (grad_fn(start, size, logp) / temperature)[:, None]
         hit = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) == idc[:, None]
-        delta = cast_to(coef * (hit.astype(_F32) - jnp.exp(s - lse[:, None])), head.logits_dtype)
-        dhc = _as_bits(head.dhidden(delta).astype(h.dtype))
+        if lse is not None:
+            lse_c = jax.lax.dynamic_slice_in_dim(lse, start, size)
+        delta = cast_to(coef * (hit.astype(_F32) - jnp.exp(s - lse_c[:, None])),
+                        head.logits_dtype)
+        dhc = head.dhidden(delta)
+        dhc = _as_bits((dhc if reduce_dh is None else reduce_dh(dhc)).astype(h.dtype))
         dh_bits = jax.lax.dynamic_update_slice_in_dim(dh_bits, dhc, start, 0)
-        dw = _accumulate_dweight(dw, hc, _slice_rows(h_t, start, size, axis=1), delta, head,
+        dw = _accumulate_dweight(dw, hc, jax.lax.optimization_barrier(hc.T), delta, head,
                                  dweight_block)
         if db is not None:
             db = db + jnp.sum(delta.astype(_F32), axis=0)
         return stats, (dh_bits, dw, db)
 
-    stats0 = tuple(jnp.zeros((n,), _F32) for _ in range(3))
+    # Inside shard_map the carries are typed like the data each is made of; a dh that is
+    # summed over the vocab axis per chunk does not vary over it.
+    like = (h, ids, head.w) + (() if lse is None else (lse,))
+    stats0 = vary_like(tuple(jnp.zeros((n,), _F32) for _ in range(3)), *like)
     grads0 = None
     if grad_fn is not None:
-        grads0 = (_as_bits(jnp.zeros((n, hidden), h.dtype)), jnp.zeros(head.w.shape, _F32),
-                  None if head.bias is None else jnp.zeros((vocab,), _F32))
+        dh0 = _as_bits(jnp.zeros((n, hidden), h.dtype))
+        dh0 = vary_like(dh0, h) if reduce_dh is not None else vary_like(dh0, *like)
+        grads0 = (dh0, vary_like(jnp.zeros(head.w.shape, _F32), *like),
+                  None if head.bias is None else vary_like(jnp.zeros((vocab,), _F32), *like))
     stats, grads = sweep(n, rows, chunk, (stats0, grads0))
     if grads is not None:
         grads = (_from_bits(grads[0], h.dtype), *grads[1:])

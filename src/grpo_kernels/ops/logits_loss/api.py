@@ -94,6 +94,36 @@ def validate_inputs(
                          f"(beta={config.beta})")
 
 
+OPTION_TYPES: dict[str, type] = {"xla": XlaBlockSizes, "pallas": PallasOptions}
+
+
+def resolve_impl(impl: Any, block_sizes: Any, option_types: dict[str, type],
+                 default: Callable[[], str]) -> str:
+    """Checks ``impl`` and that ``block_sizes`` fits it; returns the implementation's name.
+
+    ``"auto"`` becomes ``default()``. ``block_sizes`` must be ``None`` or an instance of
+    ``option_types[impl]``.
+    """
+    choices = ("auto", "reference", *option_types)
+    if impl not in choices:
+        raise ValueError(f"impl must be one of {choices}, got {impl!r}")
+    if impl == "auto":
+        impl = default()
+    wants = option_types.get(impl)
+    if block_sizes is not None and (wants is None or not isinstance(block_sizes, wants)):
+        kinds = " or ".join(f"{t.__name__} for impl={k!r}" for k, t in option_types.items())
+        raise ValueError(f"block_sizes must be {kinds}, got {type(block_sizes).__name__} "
+                         f"with impl={impl!r}")
+    return impl
+
+
+def as_num_items(num_items_in_batch: Any) -> Array | None:
+    """The ``dapo`` normaliser as a float32 scalar (``None`` stays ``None``)."""
+    if num_items_in_batch is None:
+        return None
+    return jnp.asarray(num_items_in_batch, jnp.float32)
+
+
 def default_impl(backend: str | None = None) -> str:
     """The implementation ``impl="auto"`` resolves to on ``backend`` (default: JAX's).
 
@@ -164,22 +194,13 @@ def grpo_loss(
       ValueError: at trace time, naming the argument and the expected shape or value.
     """
     validate_inputs(logits, ids, mask, advantages, config, old_logps, ref_logps)
-    if impl not in IMPL_CHOICES:
-        raise ValueError(f"impl must be one of {IMPL_CHOICES}, got {impl!r}")
+    impl = resolve_impl(impl, block_sizes, OPTION_TYPES, default_impl)
     if check_ids:
         _check_ids_in_range(ids, mask, logits.shape[-1])
-    if impl == "auto":
-        impl = default_impl()
     kwargs: dict[str, Any] = dict(
         config=config, old_logps=old_logps, ref_logps=ref_logps,
-        num_items_in_batch=None if num_items_in_batch is None
-        else jnp.asarray(num_items_in_batch, jnp.float32),
+        num_items_in_batch=as_num_items(num_items_in_batch),
     )
-    wants = {"xla": XlaBlockSizes, "pallas": PallasOptions}.get(impl)
-    if block_sizes is not None and (wants is None or not isinstance(block_sizes, wants)):
-        raise ValueError(
-            "block_sizes must be XlaBlockSizes for impl='xla' or PallasOptions for "
-            f"impl='pallas', got {type(block_sizes).__name__} with impl={impl!r}")
-    if wants is not None:
+    if impl in OPTION_TYPES:
         kwargs["block_sizes"] = block_sizes
     return IMPLEMENTATIONS[impl](logits, ids, mask, advantages, **kwargs)

@@ -19,19 +19,24 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from grpo_kernels.compat import vary_like
+
 Array = jax.Array
 Stats = tuple[Array, Array, Array]
 
 
 def sweep(n: int, block: int, body: Callable[[Any, int, Any], Any], carry: Any, *,
-          start: Callable[[Any], Any] | None = None) -> Any:
+          start: Callable[[Any], Any] | None = None, like: tuple[Any, ...] = ()) -> Any:
     """Runs ``body(start, size, carry)`` over ``[0, n)`` in blocks that never overlap.
 
     Full blocks go through a ``fori_loop`` (traced start ``start(i)``, default ``i * block``;
     a Pallas TPU kernel passes an alignment hint); the remainder, if any, is one more call with
-    a static start, so no element is visited twice and nothing is padded.
+    a static start, so no element is visited twice and nothing is padded. Inside ``shard_map``
+    the carry is first typed as varying over the mesh axes of the arrays ``like`` (the data
+    the body reads).
     """
     start = start or (lambda i: i * block)
+    carry = vary_like(carry, *like)
     full, tail = divmod(n, block)
     if full == 1:
         carry = body(0, block, carry)

@@ -42,15 +42,22 @@ class PallasOptions:
       alias_logits: Write dlogits into the logits' buffer (saves a ``[B, T, V]`` buffer when the
         logits are donated or otherwise dead).
       interpret: Run the kernels in interpret mode; ``None``: exactly when the backend is CPU.
+        ``"hlo"``: JAX's generic HLO interpreter instead of the TPU one (what
+        :mod:`grpo_kernels.sharding` uses on a CPU mesh: the TPU interpreter makes every device
+        wait for all the others at each kernel, which can deadlock against XLA:CPU's
+        collectives).
     """
 
     kernel: Literal["auto", "tpu", "gpu"] = "auto"
     block_rows: int | None = None
     block_vocab: int | None = None
     alias_logits: bool = False
-    interpret: bool | None = None
+    interpret: bool | Literal["hlo"] | None = None
 
     def __post_init__(self) -> None:
+        if self.interpret not in (None, True, False, "hlo"):
+            raise ValueError(f"PallasOptions.interpret must be None, True, False or 'hlo', "
+                             f"got {self.interpret!r}")
         if self.kernel not in ("auto", "tpu", "gpu"):
             raise ValueError(f"PallasOptions.kernel must be 'auto', 'tpu' or 'gpu', "
                              f"got {self.kernel!r}")
@@ -72,13 +79,13 @@ class PallasOptions:
             return self.kernel
         return "gpu" if (backend or jax.default_backend()) in ("gpu", "cuda", "rocm") else "tpu"
 
-    def resolved_interpret(self, backend: str | None = None) -> bool:
+    def resolved_interpret(self, backend: str | None = None) -> bool | str:
         if self.interpret is not None:
             return self.interpret
         return (backend or jax.default_backend()) == "cpu"
 
 
-def _kernels(logits: Array, opts: PallasOptions):
+def kernels(logits: Array, opts: PallasOptions):
     """``(row_statistics, logits_gradient)`` bound to their block sizes and interpret flag."""
     vocab = logits.shape[-1]
     interpret = opts.resolved_interpret()
@@ -127,7 +134,7 @@ def pallas_grpo_loss(
     b, t, vocab = logits.shape
     n, tau = b * t, config.temperature
     ids = jnp.clip(ids.astype(jnp.int32), 0, vocab - 1)
-    stats, grad = _kernels(logits, opts)
+    stats, grad = kernels(logits, opts)
     rest = (mask, advantages, old_logps, ref_logps, num_items_in_batch)
 
     def forward(z, rest, with_grad):

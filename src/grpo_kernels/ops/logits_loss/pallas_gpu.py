@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from grpo_kernels.compat import out_struct
 from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, merge_stats
 
 Array = jax.Array
@@ -109,14 +110,14 @@ def row_statistics(z: Array, ids: Array, temperature: float, blocks: GpuBlocks,
                    interpret: bool = False) -> tuple[Array, Array, Array]:
     """``(logp, lse, entropy)``, each ``[N]`` float32; arguments as the TPU version's."""
     n, vocab = z.shape
-    out = jax.ShapeDtypeStruct((n,), _F32)
+    out = out_struct((n,), _F32, z, ids)
     return pl.pallas_call(
         functools.partial(_stats_kernel, block_vocab=blocks.block_vocab,
                           inv_tau=1.0 / temperature),
         grid=(n,), out_shape=(out, out, out),
         in_specs=[_row(vocab), _SCALAR], out_specs=(_SCALAR,) * 3,
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=2),
-        interpret=interpret, name="grpo_row_statistics",
+        interpret=bool(interpret), name="grpo_row_statistics",
     )(z, ids.astype(jnp.int32))
 
 
@@ -128,9 +129,9 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
     return pl.pallas_call(
         functools.partial(_grad_kernel, block_vocab=blocks.block_vocab,
                           inv_tau=1.0 / temperature),
-        grid=(n,), out_shape=jax.ShapeDtypeStruct((n, vocab), z.dtype),
+        grid=(n,), out_shape=out_struct((n, vocab), z.dtype, z, ids, lse, coef),
         in_specs=[_row(vocab), _SCALAR, _SCALAR, _SCALAR], out_specs=_row(vocab),
         input_output_aliases={0: 0} if alias_logits else {},
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=2),
-        interpret=interpret, name="grpo_logits_gradient",
+        interpret=bool(interpret), name="grpo_logits_gradient",
     )(z, ids.astype(jnp.int32), lse.astype(_F32), coef.astype(_F32))

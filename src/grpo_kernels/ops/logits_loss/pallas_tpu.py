@@ -35,7 +35,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, merge_stats, sweep
+from grpo_kernels.compat import out_struct
+from grpo_kernels.ops.logits_loss.online_softmax import (
+    block_stats,
+    finish,
+    merge_stats,
+    sweep,
+)
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -145,7 +151,9 @@ def _row_spec(rows: int, width: int):
     return pl.BlockSpec((rows, width), lambda i: (i, 0))
 
 
-def _interpret_arg(interpret: bool):
+def _interpret_arg(interpret: bool | str):
+    if interpret == "hlo":
+        return True
     return pltpu.InterpretParams(out_of_bounds_reads="raise") if interpret else False
 
 
@@ -172,7 +180,7 @@ def row_statistics(z: Array, ids: Array, temperature: float, blocks: TpuBlocks,
                                inv_tau=1.0 / temperature)
 
     def call(zz, ii, rows, grid):
-        out = jax.ShapeDtypeStruct((rows * grid, 1), _F32)
+        out = out_struct((rows * grid, 1), _F32, zz, ii)
         return pl.pallas_call(
             kernel, grid=(grid,), out_shape=(out, out, out),
             in_specs=[_row_spec(rows, vocab), _row_spec(rows, 1)],
@@ -212,7 +220,7 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
 
     def call(zz, per_row, rows, grid, out_rows, alias):
         return pl.pallas_call(
-            kernel, grid=(grid,), out_shape=jax.ShapeDtypeStruct((out_rows, vocab), z.dtype),
+            kernel, grid=(grid,), out_shape=out_struct((out_rows, vocab), z.dtype, zz, *per_row),
             in_specs=[_row_spec(rows, vocab)] + [_row_spec(rows, 1)] * 3,
             out_specs=_row_spec(rows, vocab),
             input_output_aliases={0: 0} if alias else {},

@@ -44,7 +44,12 @@ import numpy as np
 
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import loss_from_token_stats
-from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, merge_stats, sweep
+from grpo_kernels.ops.logits_loss.online_softmax import (
+    block_stats,
+    finish,
+    merge_stats,
+    sweep,
+)
 
 Array = jax.Array
 
@@ -163,7 +168,7 @@ def row_statistics(
         # exact row-max path, so the result never depends on the shortcut.
         fast = block_stats(s, jnp.max(s[:, :probe], axis=1))
         ok = jnp.all(jnp.isfinite(fast[0]) & jnp.isfinite(fast[1]) & jnp.isfinite(fast[2]))
-        exact = lambda zz: block_stats(_load(zz, start, size, 0, vocab, temperature))  # noqa: E731
+        exact = lambda zz: block_stats(_load(zz, start, size, 0, vocab, temperature))
         return (*jax.lax.cond(ok, lambda zz: fast, exact, zz), chosen)
 
     def vocab_blocks(start, size, zz):
@@ -179,7 +184,7 @@ def row_statistics(
 
         zeros = jnp.zeros((size,), _F32)
         init = (jnp.full((size,), -jnp.inf, _F32), zeros, zeros, zeros)
-        return sweep(vocab, block_v, block, (init, zz))[0]
+        return sweep(vocab, block_v, block, (init, zz), like=(zz, ids))[0]
 
     def chunk(start, size, carry):
         out, zz = carry
@@ -190,7 +195,7 @@ def row_statistics(
         return out, zz
 
     init = tuple(jnp.zeros((n,), _F32) for _ in range(4))
-    stats, _ = sweep(n, rows, chunk, (init, z))
+    stats, _ = sweep(n, rows, chunk, (init, z), like=(z, ids))
     return finish(*stats)
 
 

@@ -1,0 +1,336 @@
+"""Sharded losses equal the one-device reference on 8 simulated devices (see conftest.py)."""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from grpo_kernels import (
+    GRPOLossConfig,
+    LmHeadPallasOptions,
+    PallasOptions,
+    grpo_loss,
+    grpo_loss_from_hidden,
+)
+from grpo_kernels.config import LOSS_TYPES
+from grpo_kernels.ops.lm_head_loss.inputs import random_head_inputs
+from grpo_kernels.ops.logits_loss.inputs import random_inputs
+from grpo_kernels.sharding import (
+    ShardingSpec,
+    mesh_from_shape,
+    sharded_grpo_loss,
+    sharded_grpo_loss_from_hidden,
+)
+from grpo_kernels.sharding.hlo import collectives
+from tests.helpers import as64, rel_err
+from tests.sharding.conftest import MESHES, make, mesh_id
+
+B, T, V = 8, 6, 64          # logits op: V/8 = 8 columns per device at tp=8
+HB, HT, HH, HV = 8, 5, 32, 256  # LM-head op
+
+TOL = dict(loss=2e-6, grad=2e-5, metric=2e-5)  # the core f32 tolerances (test_impls.py)
+
+
+def _config(loss_type, level, beta, i):
+    # Temperature and delta vary too, so every branch of the objective is reached.
+    return GRPOLossConfig(loss_type=loss_type, importance_sampling_level=level, beta=beta,
+                          temperature=(1.0, 0.7)[i % 2], delta=(None, 2.0)[(i // 2) % 2],
+                          max_completion_length=T + 2)
+
+
+CONFIGS = [_config(lt, lvl, beta, i) for i, (lt, lvl, beta) in enumerate(
+    itertools.product(LOSS_TYPES, ("token", "sequence"), (0.0, 0.04)))]
+FEW = CONFIGS[::5]  # four configs spanning loss types and levels
+
+
+def cfg_id(c):
+    return f"{c.loss_type}-{c.importance_sampling_level}-b{c.beta}"
+
+
+def _check(got, want):
+    (loss, metrics), grads = got
+    (loss_r, metrics_r), grads_r = want
+    assert np.isfinite(float(loss))
+    np.testing.assert_allclose(float(loss), float(loss_r), rtol=TOL["loss"], atol=TOL["loss"])
+    for g, g_r in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_r), strict=True):
+        assert g.dtype == g_r.dtype and g.shape == g_r.shape
+        assert rel_err(g, g_r) <= TOL["grad"]
+    assert set(metrics) == set(metrics_r)
+    np.testing.assert_allclose(as64(metrics["logp"]), as64(metrics_r["logp"]), atol=2e-5)
+    for key in set(metrics) - {"logp"}:
+        np.testing.assert_allclose(float(metrics[key]), float(metrics_r[key]),
+                                   rtol=TOL["metric"], atol=TOL["metric"], err_msg=key)
+
+
+# --- logits-level loss -----------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _logits_case(cfg):
+    inp = random_inputs(7, B, T, V, jnp.float32, cfg)
+    kw = dict(old_logps=inp.old_logps, ref_logps=inp.ref_logps)
+    if cfg.loss_type == "dapo":
+        kw["num_items_in_batch"] = float(jnp.sum(inp.mask)) + 3.0
+    want = jax.value_and_grad(
+        lambda z: grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=cfg,
+                            impl="reference", **kw), has_aux=True)(inp.logits)
+    return inp, kw, want
+
+
+def _sharded_logits(m, cfg, impl, **extra):
+    inp, kw, want = _logits_case(cfg)
+    mesh, spec = make(m)
+    fn = jax.jit(jax.value_and_grad(
+        lambda z: sharded_grpo_loss(z, inp.ids, inp.mask, inp.advantages, mesh=mesh,
+                                    sharding=spec, config=cfg, impl=impl, **kw, **extra),
+        has_aux=True))
+    return fn(inp.logits), want
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=cfg_id)
+@pytest.mark.parametrize("m", MESHES, ids=mesh_id)
+def test_logits_xla_equals_one_device(m, cfg):
+    _check(*_sharded_logits(m, cfg, "xla"))
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("cfg", FEW, ids=cfg_id)
+@pytest.mark.parametrize("m", MESHES, ids=mesh_id)
+def test_logits_reference_and_pallas_equal_one_device(m, cfg, impl):
+    _check(*_sharded_logits(m, cfg, impl))
+
+
+def test_logits_pallas_gpu_kernel_sharded():
+    """The Triton kernel's program (interpreted) under the vocab split, with a ragged tile."""
+    got = _sharded_logits(MESHES[1], FEW[1], "pallas",
+                          block_sizes=PallasOptions(kernel="gpu", block_vocab=16))
+    _check(*got)
+
+
+def test_logits_bf16_matches_one_device_xla():
+    cfg = GRPOLossConfig(beta=0.04)
+    inp = random_inputs(3, B, T, V, jnp.bfloat16, cfg)
+    mesh, spec = make(MESHES[3])
+
+    def one(z):
+        return grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="xla",
+                         **inp.kwargs())
+
+    def sharded(z):
+        return sharded_grpo_loss(z, inp.ids, inp.mask, inp.advantages, mesh=mesh,
+                                 sharding=spec, config=cfg, impl="xla", **inp.kwargs())
+
+    (l1, _), g1 = jax.jit(jax.value_and_grad(one, has_aux=True))(inp.logits)
+    (l8, _), g8 = jax.jit(jax.value_and_grad(sharded, has_aux=True))(inp.logits)
+    assert g8.dtype == jnp.bfloat16
+    np.testing.assert_allclose(float(l8), float(l1), rtol=1e-5)
+    assert rel_err(g8, g1) <= 2 ** -7  # one bf16 rounding of dlogits apart at most
+
+
+# --- fused LM-head loss ----------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _head_case(cfg, layout, bias):
+    inp = random_head_inputs(11, HB, HT, HH, HV, jnp.float32, cfg, layout=layout)
+    b = (jax.random.normal(jax.random.PRNGKey(5), (HV,)) * 0.5) if bias else None
+    kw = dict(old_logps=inp.old_logps, ref_logps=inp.ref_logps, lm_head_layout=layout, bias=b)
+    if cfg.loss_type == "dapo":
+        kw["num_items_in_batch"] = float(jnp.sum(inp.mask)) + 3.0
+    argnums = (0, 1, 2) if bias else (0, 1)
+
+    def fn(h, w, bb):
+        return grpo_loss_from_hidden(h, w, inp.ids, inp.mask, inp.advantages, config=cfg,
+                                     impl="reference", **{**kw, "bias": bb})
+
+    want = jax.value_and_grad(fn, argnums=argnums, has_aux=True)(inp.hidden, inp.lm_head, b)
+    return inp, kw, argnums, want
+
+
+def _sharded_head(m, cfg, impl, layout="hv", bias=False, **extra):
+    inp, kw, argnums, want = _head_case(cfg, layout, bias)
+    mesh, spec = make(m)
+
+    def fn(h, w, bb):
+        return sharded_grpo_loss_from_hidden(h, w, inp.ids, inp.mask, inp.advantages,
+                                             mesh=mesh, sharding=spec, config=cfg, impl=impl,
+                                             **{**kw, "bias": bb}, **extra)
+
+    step = jax.jit(jax.value_and_grad(fn, argnums=argnums, has_aux=True))
+    return step(inp.hidden, inp.lm_head, kw["bias"]), want
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=cfg_id)
+@pytest.mark.parametrize("m", MESHES, ids=mesh_id)
+def test_lm_head_xla_equals_one_device(m, cfg):
+    _check(*_sharded_head(m, cfg, "xla"))
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("cfg", FEW, ids=cfg_id)
+@pytest.mark.parametrize("m", MESHES, ids=mesh_id)
+def test_lm_head_reference_and_pallas_equal_one_device(m, cfg, impl):
+    _check(*_sharded_head(m, cfg, impl))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("m", MESHES[1:], ids=mesh_id)
+def test_lm_head_vh_layout_with_bias(m, impl):
+    _check(*_sharded_head(m, FEW[2], impl, layout="vh", bias=True))
+
+
+# --- layouts, collectives, errors ------------------------------------------------------------
+
+def _collective_sizes(compiled):
+    return [(c.op, c.elements) for c in collectives(compiled.as_text())]
+
+
+def test_inputs_in_any_layout_and_no_vocab_sized_collective():
+    """Inputs arrive sharded another way under jit; no collective of logits size appears."""
+    m = MESHES[3]
+    mesh, spec = make(m)
+    cfg = CONFIGS[1]
+    inp, kw, want = _logits_case(cfg)
+    put = lambda x, p: jax.device_put(x, NamedSharding(mesh, p))
+    # logits with B over tp and V over (dp, fsdp): not the op's layout; the rest replicated
+    z = put(inp.logits, P("tp", None, ("dp", "fsdp")))
+    args = [put(x, P()) for x in (inp.ids, inp.mask, inp.advantages)]
+    kw = {k: put(v, P()) if hasattr(v, "shape") else v for k, v in kw.items()}
+
+    def fn(z, ids, mask, adv):
+        return sharded_grpo_loss(z, ids, mask, adv, mesh=mesh, sharding=spec, config=cfg,
+                                 impl="xla", **kw)
+
+    step = jax.jit(jax.value_and_grad(fn, has_aux=True))
+    _check(step(z, *args), want)
+    # In the op's own layout: only [B, T]-sized collectives (nothing of V).
+    z = put(inp.logits, spec.logits())
+    rows = [put(inp.ids, spec.rows(2)), put(inp.mask, spec.rows(2)),
+            put(inp.advantages, spec.rows(1))]
+    sizes = _collective_sizes(step.lower(z, *rows).compile())
+    assert sizes, "expected the psum/pmax statistics collectives"
+    assert max(e for _, e in sizes) <= B * T, sizes
+    assert not [op for op, _ in sizes if op == "all-gather"], sizes
+
+
+@pytest.mark.parametrize("m", MESHES, ids=mesh_id)
+def test_lm_head_collectives_are_never_logits_sized(m):
+    mesh, spec = make(m)
+    cfg = CONFIGS[0]
+    inp, kw, _, _ = _head_case(cfg, "hv", False)
+
+    def fn(h, w):
+        return sharded_grpo_loss_from_hidden(h, w, inp.ids, inp.mask, inp.advantages,
+                                             mesh=mesh, sharding=spec, config=cfg, impl="xla",
+                                             **kw)
+
+    step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))
+    sizes = _collective_sizes(step.lower(inp.hidden, inp.lm_head).compile())
+    vocab_shard = HV // spec.vocab_shards(mesh)
+    rows = HB * HT // spec.batch_shards(mesh)
+    # the largest is dW (a [H, V/k] shard, summed over the batch axes) or dh ([rows, H] at
+    # most, summed over the vocab axis); nothing of [rows, V/k]
+    assert max(e for _, e in sizes) <= max(HH * vocab_shard, rows * HH), sizes
+    assert not [op for op, _ in sizes if op == "all-gather"], sizes
+
+
+def test_fused_per_device_temp_scales_with_the_vocab_axis():
+    """bench --mesh's figure: per-device temp x k <= 1.2 x one device (k = 8, bf16)."""
+    cfg = GRPOLossConfig(beta=0.04)
+    b, t, h, v = 2, 1024, 512, 32768
+    inp = random_head_inputs(0, b, t, h, v, jnp.bfloat16, cfg)
+    mesh, spec = make(MESHES[2])
+
+    def temp(op, args, **kw):
+        def fn(hh, w):
+            return op(hh, w, inp.ids, inp.mask, inp.advantages, config=cfg, impl="xla",
+                      old_logps=inp.old_logps, ref_logps=inp.ref_logps, **kw)
+        step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))
+        return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    one = temp(grpo_loss_from_hidden, (inp.hidden, inp.lm_head))
+    placed = (jax.device_put(inp.hidden, NamedSharding(mesh, spec.rows(3))),
+              jax.device_put(inp.lm_head, NamedSharding(mesh, spec.head("hv"))))
+    per_device = temp(sharded_grpo_loss_from_hidden, placed, mesh=mesh, sharding=spec)
+    assert per_device * 8 <= 1.2 * one, (per_device, one)
+
+
+def test_divisibility_and_spec_errors_name_the_problem():
+    mesh, spec = make(MESHES[1])  # dp=2, tp=4
+    cfg = GRPOLossConfig()
+    inp = random_inputs(0, 3, 4, 64, jnp.float32, cfg)
+    with pytest.raises(ValueError, match=r"B=3 .*not divisible by the batch axes"):
+        sharded_grpo_loss(inp.logits, inp.ids, inp.mask, inp.advantages, mesh=mesh,
+                          sharding=spec, config=cfg)
+    inp = random_inputs(0, 4, 4, 66, jnp.float32, cfg)
+    with pytest.raises(ValueError, match=r"V=66 .*not divisible by the vocab axis 'tp' of size 4"):
+        sharded_grpo_loss(inp.logits, inp.ids, inp.mask, inp.advantages, mesh=mesh,
+                          sharding=spec, config=cfg)
+    hin = random_head_inputs(0, 4, 4, 16, 66, jnp.float32, cfg)
+    with pytest.raises(ValueError, match=r"V=66 of hidden/lm_head"):
+        sharded_grpo_loss_from_hidden(hin.hidden, hin.lm_head, hin.ids, hin.mask,
+                                      hin.advantages, mesh=mesh, sharding=spec, config=cfg)
+    inp = random_inputs(0, 4, 4, 64, jnp.float32, cfg)
+    with pytest.raises(ValueError, match=r"mesh axis 'mp', but the mesh has axes \('dp', 'tp'\)"):
+        sharded_grpo_loss(inp.logits, inp.ids, inp.mask, inp.advantages, mesh=mesh,
+                          sharding=ShardingSpec("dp", "mp"), config=cfg)
+    with pytest.raises(ValueError, match="sharding must be a ShardingSpec"):
+        sharded_grpo_loss(inp.logits, inp.ids, inp.mask, inp.advantages, mesh=mesh,
+                          sharding=("dp", "tp"), config=cfg)
+    with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
+        sharded_grpo_loss(inp.logits, inp.ids, inp.mask, inp.advantages, mesh="dp",
+                          sharding=spec, config=cfg)
+    with pytest.raises(ValueError, match="logits must have rank 3"):
+        sharded_grpo_loss(inp.logits[0], inp.ids, inp.mask, inp.advantages, mesh=mesh,
+                          sharding=spec, config=cfg)
+
+
+def test_sharding_spec_validation():
+    with pytest.raises(ValueError, match="also one of batch_axes"):
+        ShardingSpec(("dp", "tp"), "tp")
+    with pytest.raises(ValueError, match="repeated axis"):
+        ShardingSpec(("dp", "dp"))
+    with pytest.raises(ValueError, match="mesh axis names"):
+        ShardingSpec((1,))
+    assert ShardingSpec("dp").batch_axes == ("dp",)
+    with pytest.raises(ValueError, match="needs 16 devices, only 8 present"):
+        mesh_from_shape((4, 4), ("dp", "tp"))
+
+
+@pytest.mark.parametrize("op", ["logits", "lm_head"])
+def test_tpu_kernels_lower_under_shard_map(op):
+    """value_and_grad on a (2, 2, 2) mesh with check_vma on lowers to Mosaic kernels at V =
+    151,936 and H = 4096 (bf16), each device holding [B/4, T, V/2]."""
+    mesh, spec = make(MESHES[3])
+    cfg = GRPOLossConfig(beta=0.04)
+    b, t, h, v = 4, 256, 4096, 151_936
+
+    def s(shape, dtype, p):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, p))
+
+    rows = [s((b, t), jnp.int32, spec.rows(2)), s((b, t), jnp.float32, spec.rows(2)),
+            s((b,), jnp.float32, spec.rows(1)), s((b, t), jnp.float32, spec.rows(2))]
+    if op == "logits":
+        args = [s((b, t, v), jnp.bfloat16, spec.logits())] + rows
+
+        def f(z, ids, mask, adv, ref):
+            return sharded_grpo_loss(z, ids, mask, adv, mesh=mesh, sharding=spec, config=cfg,
+                                     impl="pallas", ref_logps=ref,
+                                     block_sizes=PallasOptions(kernel="tpu", interpret=False))
+        argnums, kernels = (0,), 2
+    else:
+        args = [s((b, t, h), jnp.bfloat16, spec.rows(3)),
+                s((h, v), jnp.bfloat16, spec.head("hv"))] + rows
+
+        def f(hh, w, ids, mask, adv, ref):
+            return sharded_grpo_loss_from_hidden(
+                hh, w, ids, mask, adv, mesh=mesh, sharding=spec, config=cfg, impl="pallas",
+                ref_logps=ref, block_sizes=LmHeadPallasOptions(interpret=False))
+        argnums, kernels = (0, 1), 3
+    step = jax.jit(jax.value_and_grad(f, argnums=argnums, has_aux=True))
+    exported = jax.export.export(step, platforms=["tpu"])(*args)
+    assert exported.mlir_module().count("tpu_custom_call") == kernels
+    assert exported.nr_devices == 8
