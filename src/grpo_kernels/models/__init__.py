@@ -1,0 +1,7 @@
+"""Qwen2 / Llama family decoders in Flax NNX and their checkpoint loaders."""
+
+from grpo_kernels.models.config import ModelConfig
+from grpo_kernels.models.decoder import Decoder
+from grpo_kernels.models.hf import load_hf_checkpoint
+
+__all__ = ["Decoder", "ModelConfig", "load_hf_checkpoint"]

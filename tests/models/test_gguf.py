@@ -1,0 +1,138 @@
+"""GGUF loading: a llama.cpp-style file written here from a tiny transformers model, and SmolLM2."""
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+gguf = pytest.importorskip("gguf", reason="the gguf package reads and writes GGUF files")
+torch = pytest.importorskip("torch", reason="torch (dev extra) makes the reference model")
+transformers = pytest.importorskip("transformers", reason="transformers (dev extra)")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf.quants import quantize  # noqa: E402
+
+from grpo_kernels.models.gguf_loader import (load_gguf, smollm2_path,  # noqa: E402
+                                             tokenizer_from_gguf, unpermute_rows)
+from tests.models.test_hf import IDS, SMALL, hf_logits  # noqa: E402
+
+
+def llama_cpp_permute(w, heads):
+    """What llama.cpp's converter does to q/k rows (written from its description, for tests)."""
+    d = w.shape[0] // heads
+    return w.reshape(heads, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_unpermute_inverts_the_converter():
+    w = np.arange(4 * 8 * 3, dtype=np.float32).reshape(32, 3)
+    np.testing.assert_array_equal(unpermute_rows(llama_cpp_permute(w, 4), 4), w)
+    assert not np.array_equal(llama_cpp_permute(w, 4), w)
+
+
+_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+          "post_attention_layernorm": "ffn_norm"}
+
+
+def write_gguf(path, model, qtype=None):
+    """A llama.cpp-layout GGUF of a transformers Llama: names, q/k permutation, optional quant."""
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    for name, p in model.state_dict().items():
+        x = p.detach().float().numpy()
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        elif name == "lm_head.weight":
+            out = "output.weight"
+        else:
+            _, _, i, *rest = name.split(".")
+            key = ".".join(rest[:-1])
+            out = f"blk.{i}.{_NAMES[key]}.{rest[-1]}"
+            if key in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = cfg.num_attention_heads if "q_proj" in key else cfg.num_key_value_heads
+                x = llama_cpp_permute(x, heads)
+        if qtype is not None and x.ndim == 2:
+            w.add_tensor(out, quantize(x, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(out, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("qtype,tol", [(None, 1e-4), (Q.Q8_0, 0.05), (Q.Q4_1, 0.5),
+                                       (Q.Q4_0, 0.5)], ids=["f32", "q8_0", "q4_1", "q4_0"])
+def test_gguf_of_a_transformers_llama_gives_its_logits(tmp_path, qtype, tol):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**SMALL, "hidden_size": 64, "intermediate_size": 256,
+                                      "vocab_size": 128}, tie_word_embeddings=False)
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, ref, qtype)
+    config, model = load_gguf(str(path), compute_dtype=jnp.float32)
+    assert config.family == "llama" and not config.tie_word_embeddings
+    ids = IDS % 128
+    err = np.max(np.abs(np.asarray(model(jnp.asarray(ids))) - hf_logits(ref, ids)))
+    assert err <= tol, err
+
+
+def test_bad_gguf_files(tmp_path):
+    with pytest.raises(ValueError, match="no such GGUF file"):
+        load_gguf(str(tmp_path / "none.gguf"))
+    w = gguf.GGUFWriter(str(tmp_path / "gpt.gguf"), arch="gpt2")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="unknown architecture 'gpt2'"):
+        load_gguf(str(tmp_path / "gpt.gguf"))
+
+
+def _smollm2():
+    try:
+        return smollm2_path()
+    except ValueError as e:
+        pytest.skip(f"{e} (make test installs it)")
+
+
+PARAGRAPH = ("The history of science is the study of the development of science and scientific "
+             "knowledge, including both the natural and social sciences. Science is a body of "
+             "empirical, theoretical, and practical knowledge about the natural world, produced "
+             "by scientists who emphasize the observation, explanation, and prediction of "
+             "real-world phenomena.")
+
+
+def test_smollm2_perplexity_greedy_and_tokenizer():
+    import jax
+    from flax import nnx
+
+    path = _smollm2()
+    config, model = load_gguf(path)  # f32 params, bf16 compute
+    assert (config.num_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
+    tok = tokenizer_from_gguf(path)
+    text = "Digits 12345, and <|im_start|>user\nHi<|im_end|>"
+    ids = tok.encode(text).ids
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert ids.count(1) == 1  # <|im_start|> is one special token
+    forward = nnx.jit(lambda m, x: m(x))
+    ids = jnp.asarray([tok.encode(PARAGRAPH).ids])
+    logp = jax.nn.log_softmax(forward(model, ids)[0, :-1], axis=-1)
+    ppl = float(jnp.exp(-jnp.mean(jnp.take_along_axis(logp, ids[0, 1:, None], axis=-1))))
+    assert ppl < 30, ppl
+    cur = tok.encode("The capital of France is").ids
+    for _ in range(4):  # greedy by full forward; the KV-cache sampler is the next step
+        cur.append(int(jnp.argmax(forward(model, jnp.asarray([cur]))[0, -1])))
+    assert "Paris" in tok.decode(cur)
