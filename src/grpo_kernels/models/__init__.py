@@ -3,5 +3,6 @@
 from grpo_kernels.models.config import ModelConfig
 from grpo_kernels.models.decoder import Decoder
 from grpo_kernels.models.hf import load_hf_checkpoint
+from grpo_kernels.models.sampling import Generation, generate
 
-__all__ = ["Decoder", "ModelConfig", "load_hf_checkpoint"]
+__all__ = ["Decoder", "Generation", "ModelConfig", "generate", "load_hf_checkpoint"]

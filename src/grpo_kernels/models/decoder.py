@@ -97,13 +97,20 @@ class Attention(nnx.Module):
             y = y + getattr(self, name + "_bias")[...].astype(dt)[None, None, :]
         return y.reshape(*x.shape[:2], heads, self.config.head_dim)
 
-    def __call__(self, x: Array, positions: Array, mask: Array, inv_freq: Array) -> Array:
+    def __call__(self, x: Array, positions: Array, mask: Array, inv_freq: Array,
+                 cache: tuple[Array, Array] | None = None, index: Any = None) -> Any:
+        """Attention output; with ``cache = (k, v)`` (``[B, S, Hk, d]``) this call's keys and
+        values are written at slot ``index`` first and ``(output, new cache)`` is returned."""
         c = self.config
         q = apply_rope(self._proj(x, "q", c.num_heads), positions, inv_freq)
         k = apply_rope(self._proj(x, "k", c.num_kv_heads), positions, inv_freq)
         v = self._proj(x, "v", c.num_kv_heads)
-        out = attend(q, k, v, mask)
-        return out.reshape(*x.shape[:2], -1) @ self.o[...].astype(c.compute_dtype)
+        if cache is not None:
+            k = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), index, 1)
+            v = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), index, 1)
+        out = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+        out = out.reshape(*x.shape[:2], -1) @ self.o[...].astype(c.compute_dtype)
+        return out if cache is None else (out, (k, v))
 
 
 def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
@@ -141,9 +148,13 @@ class DecoderLayer(nnx.Module):
         self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.param_dtype)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x: Array, positions: Array, mask: Array, inv_freq: Array) -> Array:
-        h = x + self.attn(self.input_norm(x), positions, mask, inv_freq)
-        return h + self.mlp(self.post_norm(h))
+    def __call__(self, x: Array, positions: Array, mask: Array, inv_freq: Array,
+                 cache: tuple[Array, Array] | None = None, index: Any = None) -> Any:
+        a = self.attn(self.input_norm(x), positions, mask, inv_freq, cache, index)
+        a, cache = a if cache is not None else (a, None)
+        h = x + a
+        out = h + self.mlp(self.post_norm(h))
+        return out if cache is None else (out, cache)
 
 
 def positions_from_mask(attention_mask: Array) -> Array:
@@ -205,5 +216,37 @@ class Decoder(nnx.Module):
         hidden = self.norm(x)
         if return_hidden:
             return hidden
-        return jnp.einsum("bth,vh->btv", hidden, self.head().astype(c.compute_dtype),
+        return self.logits(hidden)
+
+    def logits(self, hidden: Array) -> Array:
+        """Float32 logits of hidden states ``[..., H]``."""
+        return jnp.einsum("...h,vh->...v", hidden,
+                          self.head().astype(self.config.compute_dtype),
                           preferred_element_type=_F32)
+
+    def init_cache(self, batch: int, length: int, dtype: Any = None) -> list[tuple[Array, Array]]:
+        """An empty key/value cache: per layer ``(k, v)`` of ``[B, length, Hk, d]``."""
+        c = self.config
+        shape = (batch, length, c.num_kv_heads, c.head_dim)
+        dtype = dtype or c.compute_dtype
+        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(c.num_layers)]
+
+    def extend(self, ids: Array, positions: Array, kv_mask: Array, cache: list, index: Any,
+               ) -> tuple[Array, list]:
+        """Runs ``ids [B, t]`` at cache slots ``index .. index+t-1``; returns the last
+        position's float32 logits ``[B, V]`` and the updated cache.
+
+        ``kv_mask [B, S]`` marks the cache slots holding real tokens (this call's slots
+        included); a query at slot ``index + i`` sees the real slots up to its own.
+        """
+        c = self.config
+        t, s = ids.shape[1], kv_mask.shape[1]
+        slots = index + jnp.arange(t)
+        mask = (jnp.arange(s)[None, :] <= slots[:, None])[None] & (kv_mask[:, None, :] != 0)
+        inv_freq = rope_frequencies(c)
+        x = jnp.take(self.embed[...], ids, axis=0).astype(c.compute_dtype)
+        new_cache = []
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            x, layer_cache = layer(x, positions, mask, inv_freq, layer_cache, index)
+            new_cache.append(layer_cache)
+        return self.logits(self.norm(x[:, -1])), new_cache
