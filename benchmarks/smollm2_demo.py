@@ -1,9 +1,9 @@
-"""SmolLM2-135M-Instruct from its GGUF: perplexity on a fixed paragraph and a greedy continuation.
+"""SmolLM2-135M-Instruct from its GGUF: perplexity on a fixed paragraph and greedy completions.
 
     python benchmarks/smollm2_demo.py [--compute float32|bfloat16] [--tokens 20]
 
-Greedy decoding here is repeated full forwards (the oracle the KV-cache sampler is tested
-against), so it is slow per token; the numbers are in docs/models.md.
+The plain continuation uses repeated full forwards (the oracle the sampler is tested against);
+the chat answer uses ``generate`` (KV cache). The outputs are quoted in docs/models.md.
 """
 
 import argparse
@@ -27,6 +27,8 @@ def main() -> None:
     p.add_argument("--compute", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--tokens", type=int, default=20)
     p.add_argument("--prompt", default="The capital of France is")
+    p.add_argument("--question", default="Why is the sky blue? Answer in two sentences.")
+    p.add_argument("--answer-tokens", type=int, default=60)
     args = p.parse_args()
     path = smollm2_path()
     _, model = load_gguf(path, compute_dtype=jnp.dtype(args.compute))
@@ -40,6 +42,13 @@ def main() -> None:
     for _ in range(args.tokens):
         cur.append(int(jnp.argmax(forward(model, jnp.asarray([cur]))[0, -1])))
     print("greedy:", repr(tok.decode(cur)))
+    from grpo_kernels.models.sampling import generate
+
+    chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.question}]))
+    out = generate(model, [chat], max_new_tokens=args.answer_tokens, temperature=0.0,
+                   eos_ids=tok.eos_ids, pad_id=tok.pad_id)
+    answer = out.ids[0][: int(out.mask[0].sum())]
+    print("chat greedy:", repr(tok.decode(answer)))
 
 
 if __name__ == "__main__":
