@@ -85,10 +85,9 @@ def place(inp, sharded):
         ref_logps=mesh_flags.put(mesh, inp.ref_logps, rows))
 
 
-def temp_bytes(fn, *args) -> int | None:
-    """Planned temporary bytes of ``jit(value_and_grad(fn))`` (compiled, not run)."""
-    analysis = jax.jit(jax.value_and_grad(fn, has_aux=True)).lower(*args).compile()
-    analysis = analysis.memory_analysis()
+def temp_bytes(step, *args) -> int | None:
+    """Planned temporary bytes of ``jit(step)`` on ``args`` (compiled, not run)."""
+    analysis = jax.jit(step).lower(*args).compile().memory_analysis()
     return getattr(analysis, "temp_size_in_bytes", None) if analysis else None
 
 
@@ -186,11 +185,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     impls = impl_list(args.impl)
-    for name in ("batch", "time", "vocab", "iters"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    common.check_sizes(args, ("batch", "time", "vocab", "iters"))
     if "pallas" in impls and jax.default_backend() == "cpu":
         print("bench: note: on CPU the pallas kernels run in interpret mode (a test tool, orders "
               "of magnitude slower); its times say nothing about TPU/GPU", file=sys.stderr)
@@ -213,8 +208,8 @@ def run(args: argparse.Namespace) -> int:
     ok = True
     if sharded:
         ok = mesh_flags.add_scaling(results, shape["vocab_shards"], args.max_temp_scaling,
-                                    lambda impl: temp_bytes(loss_fn(impl, inp, config),
-                                                            inp.logits))
+                                    lambda impl: temp_bytes(jax.value_and_grad(
+                                        loss_fn(impl, inp, config), has_aux=True), inp.logits))
     ref = results[0]
     for r in results:
         for key in ("avg_step_ms", "median_step_ms", "first_call_s", "temp_size_in_bytes",

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from grpo_kernels.cli import common
 from grpo_kernels.cli import mesh as mesh_flags
-from grpo_kernels.cli.bench import _MEMORY_FIELDS, impl_list, machine_description
+from grpo_kernels.cli.bench import _MEMORY_FIELDS, impl_list, machine_description, temp_bytes
 from grpo_kernels.ops.lm_head_loss import (
     IMPLEMENTATIONS,
     LAYOUTS,
@@ -97,11 +97,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     impls = impl_list(args.impl, IMPLEMENTATIONS)
-    for name in ("batch", "time", "hidden", "vocab", "iters"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    common.check_sizes(args, ("batch", "time", "hidden", "vocab", "iters"))
     if args.chunk_tokens is not None and args.chunk_tokens < 1:
         raise ValueError(f"--chunk-tokens must be >= 1, got {args.chunk_tokens}")
     if "pallas" in impls and jax.default_backend() == "cpu":
@@ -143,13 +139,9 @@ def run(args: argparse.Namespace) -> int:
                              collectives=bool(sharded)) for i in impls]
     ok = True
     if sharded:
-        def one_device_temp(impl: str) -> int | None:
-            compiled = jax.jit(step_for(impl, on_mesh=False)).lower(inp.hidden,
-                                                                    inp.lm_head).compile()
-            analysis = compiled.memory_analysis()
-            return getattr(analysis, "temp_size_in_bytes", None) if analysis else None
-
-        ok = mesh_flags.add_scaling(results, spec.vocab_shards(mesh), None, one_device_temp)
+        ok = mesh_flags.add_scaling(
+            results, spec.vocab_shards(mesh), None,
+            lambda impl: temp_bytes(step_for(impl, on_mesh=False), inp.hidden, inp.lm_head))
     n = args.batch * args.time
     dims = (((1,), (0 if args.layout == "hv" else 1,)), ((), ()))
     floor = time_compiled(

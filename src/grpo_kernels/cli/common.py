@@ -61,6 +61,15 @@ def loss_config_from(base: Mapping[str, Any], args: argparse.Namespace) -> GRPOL
     return GRPOLossConfig.from_dict(values)
 
 
+def check_sizes(args: argparse.Namespace, positive: Iterable[str]) -> None:
+    """ValueError naming the flag unless each of ``positive`` is >= 1 and ``--warmup`` >= 0."""
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+
+
 def add_wandb_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wandb-mode", choices=WANDB_MODES, default="disabled",
                    help="log the printed metrics to Weights & Biases (default: disabled)")

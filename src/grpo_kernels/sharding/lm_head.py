@@ -35,7 +35,7 @@ from grpo_kernels.ops.logits_loss.api import (
     validate_inputs,
 )
 from grpo_kernels.sharding.logits import extra_inputs, metric_specs
-from grpo_kernels.sharding.spec import ShardingSpec
+from grpo_kernels.sharding.spec import ShardingSpec, resolve
 from grpo_kernels.sharding.vocab import (
     combine,
     loss_and_metrics,
@@ -94,8 +94,7 @@ def _pallas_kernels(hidden: Array, w: Array, *, layout: str, logits_dtype: Any, 
                     spec: ShardingSpec) -> Kernels:
     del vocab, spec  # the tiles follow the local shard; dh is summed by shard_map
     opts = blocks or pallas_tpu.LmHeadPallasOptions()
-    interpret = opts.interpret if opts.interpret is not None else jax.default_backend() == "cpu"
-    interpret = "hlo" if interpret else False  # see LmHeadPallasOptions.interpret
+    interpret = "hlo" if opts.resolved_interpret() else False  # see LmHeadPallasOptions
     b, t, hdim = hidden.shape
     n = b * t
     compute = xla_head.common_dtype(hidden.dtype, w.dtype)
@@ -131,10 +130,8 @@ def _interpreted(impl: str, blocks: Any) -> bool:
     That interpreter cannot type-check the mesh axes an array varies over, so ``shard_map``
     then runs with ``check_vma=False``; the gradients are the same either way (tested).
     """
-    if impl != "pallas":
-        return False
-    interpret = blocks.interpret if blocks is not None else None
-    return bool(interpret) if interpret is not None else jax.default_backend() == "cpu"
+    return impl == "pallas" and bool(
+        (blocks or pallas_tpu.LmHeadPallasOptions()).resolved_interpret())
 
 
 def _cast_grads(primals: Any, dh: Array, dw: Array, db: Array | None) -> Any:
@@ -215,11 +212,7 @@ def sharded_grpo_loss_from_hidden(
     b, t, _ = hidden.shape
     validate_inputs(jax.ShapeDtypeStruct((b, t, vocab), logits_dtype), ids, mask, advantages,
                     config, old_logps, ref_logps)
-    if not isinstance(sharding, ShardingSpec):
-        raise ValueError(f"sharding must be a ShardingSpec, got {type(sharding).__name__}")
-    sharding.validate(mesh)
-    sharding.check_divisible(mesh, b, vocab, "hidden/lm_head")
-    sharding = sharding.on(mesh)
+    sharding = resolve(sharding, mesh, b, vocab, "hidden/lm_head")
     impl = resolve_impl(impl, block_sizes, OPTION_TYPES, default_impl)
     if check_ids:
         _check_ids_in_range(ids, mask, vocab)

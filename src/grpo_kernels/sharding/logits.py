@@ -29,7 +29,7 @@ from grpo_kernels.ops.logits_loss.api import (
     resolve_impl,
     validate_inputs,
 )
-from grpo_kernels.sharding.spec import ShardingSpec
+from grpo_kernels.sharding.spec import ShardingSpec, resolve
 from grpo_kernels.sharding.vocab import (
     combine,
     loss_and_metrics,
@@ -152,12 +152,8 @@ def sharded_grpo_loss(
         not divisible by their axes (nothing is padded).
     """
     validate_inputs(logits, ids, mask, advantages, config, old_logps, ref_logps)
-    if not isinstance(sharding, ShardingSpec):
-        raise ValueError(f"sharding must be a ShardingSpec, got {type(sharding).__name__}")
-    sharding.validate(mesh)
     b, _, vocab = logits.shape
-    sharding.check_divisible(mesh, b, vocab, "logits")
-    sharding = sharding.on(mesh)
+    sharding = resolve(sharding, mesh, b, vocab, "logits")
     impl = resolve_impl(impl, block_sizes, OPTION_TYPES, default_impl)
     if check_ids:
         _check_ids_in_range(ids, mask, vocab)

@@ -146,6 +146,19 @@ class ShardingSpec:
         return jax.lax.axis_index(self.vocab_axis).astype(jnp.int32) * vocab_local
 
 
+def resolve(sharding: Any, mesh: Any, batch: int, vocab: int, what: str) -> ShardingSpec:
+    """The checks every sharded op makes, then ``sharding.on(mesh)``.
+
+    Raises ValueError unless ``sharding`` is a ShardingSpec whose axes ``mesh`` has and ``B``
+    and ``V`` (of ``what``) divide by them.
+    """
+    if not isinstance(sharding, ShardingSpec):
+        raise ValueError(f"sharding must be a ShardingSpec, got {type(sharding).__name__}")
+    sharding.validate(mesh)
+    sharding.check_divisible(mesh, batch, vocab, what)
+    return sharding.on(mesh)
+
+
 def mesh_from_shape(shape: Sequence[int], axis_names: Sequence[str],
                     devices: Sequence[Any] | None = None) -> Mesh:
     """A Mesh of ``shape`` over the first ``prod(shape)`` devices, with a clear error."""

@@ -38,10 +38,10 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import grpo_objective, loss_metrics
+from grpo_kernels.ops.logits_loss.xla import zero_cotangent
 from grpo_kernels.sharding.spec import ShardingSpec
 
 Array = jax.Array
@@ -103,14 +103,6 @@ def reference_statistics(z: Array, hit_ids: Array, temperature: float,
     return chosen - lse, ent
 
 
-def _zero(x: Any) -> Any:
-    if x is None:
-        return None
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros_like(x)
-    return np.zeros(x.shape, dtype=jax.dtypes.float0)
-
-
 GradFn = Callable[[Any, Array, Array, Array], Any]
 
 
@@ -138,7 +130,8 @@ def _fwd(grad_fn, primals, logp, lse, hit_ids):
 
 def _bwd(grad_fn, res, g):
     primals, logp, lse, hit_ids = res
-    return grad_fn(primals, hit_ids, lse, g.astype(_F32)), _zero(logp), _zero(lse), _zero(hit_ids)
+    return (grad_fn(primals, hit_ids, lse, g.astype(_F32)), zero_cotangent(logp),
+            zero_cotangent(lse), zero_cotangent(hit_ids))
 
 
 with_softmax_gradient.defvjp(_fwd, _bwd)

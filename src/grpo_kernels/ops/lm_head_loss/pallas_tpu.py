@@ -91,6 +91,13 @@ class LmHeadPallasOptions:
                                  f"(TPU tiling), got {value}")
 
 
+    def resolved_interpret(self, backend: str | None = None) -> bool | str:
+        """``interpret``, with ``None`` resolved to "exactly when the backend is CPU"."""
+        if self.interpret is not None:
+            return self.interpret
+        return (backend or jax.default_backend()) == "cpu"
+
+
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     rows: int
@@ -350,7 +357,7 @@ def pallas_lm_head_loss(
 ) -> tuple[Array, dict[str, Array]]:
     """The fused loss on the TPU kernels; args and returns as ``grpo_loss_from_hidden``."""
     opts = block_sizes or LmHeadPallasOptions()
-    interpret = opts.interpret if opts.interpret is not None else jax.default_backend() == "cpu"
+    interpret = opts.resolved_interpret()
     b, t, hdim = hidden.shape
     n = b * t
     compute = common_dtype(hidden.dtype, lm_head.dtype)
