@@ -87,7 +87,7 @@ def log_wandb(args: argparse.Namespace, job: str, config: dict[str, Any],
     except ImportError:
         raise SystemExit(
             f"--wandb-mode {args.wandb_mode} needs the wandb package: "
-            "pip install 'grpo-kernels[wandb]'"
+            "pip install wandb"
         ) from None
     run = wandb.init(project=args.wandb_project, job_type=job, mode=args.wandb_mode,
                      dir=args.wandb_dir, config=config)

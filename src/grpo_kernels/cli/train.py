@@ -1,0 +1,168 @@
+"""``grpo-kernels train``, ``ab`` and ``eval``: GRPO runs from a YAML config."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+from typing import Any
+
+import yaml
+
+from grpo_kernels.cli import common
+
+
+def _parse_set(items: list[str]) -> dict[str, Any]:
+    """``["train.steps=10", "loss.impl=xla"]`` -> dotted overrides (values parsed as YAML)."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE (e.g. train.steps=10)")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def load_config(args: argparse.Namespace, **extra: Any) -> Any:
+    """The YAML file with ``--set`` and the command's own flags on top, validated."""
+    from grpo_kernels.rl.config import TrainConfig, set_dotted
+
+    values = common.load_yaml(args.config) if args.config else {}
+    overrides = {**_parse_set(args.set), **{k: v for k, v in extra.items() if v is not None}}
+    for key, value in overrides.items():
+        set_dotted(values, key, value)
+    try:
+        return TrainConfig.from_dict(values)
+    except ValueError as e:
+        where = f"--config {args.config!r}: " if args.config else ""
+        raise ValueError(f"{where}{e}") from None
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML file (sections: model, data, rewards, rollout, optim, "
+                   "train, loss, mesh, logging; see configs/)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override one config key, e.g. --set optim.learning_rate=1e-5 "
+                   "(repeatable)")
+    p.add_argument("--run-dir", help="override train.run_dir")
+    p.add_argument("--steps", type=int, help="override train.steps")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from grpo_kernels.rl.trainer import Trainer
+
+    config = load_config(args, **{"train.run_dir": args.run_dir, "train.steps": args.steps,
+                                  "loss.impl": args.impl})
+    records = Trainer(config, progress=not args.no_progress).run()
+    last = records[-1] if records else None
+    if last:
+        print(f"step {last['step']}: reward {last['reward/mean']:.3f}, loss {last['loss']:.4g}, "
+              f"step_avg_last10_s {last['time/train/step_avg_last10_s']:.3f}")
+    print(f"metrics: {os.path.join(config.train.run_dir, 'metrics.jsonl')}")
+    return 0
+
+
+def run_ab(args: argparse.Namespace) -> int:
+    import jax
+
+    from grpo_kernels.rl.config import LOSS_IMPLS
+    from grpo_kernels.rl.report import ab_report
+    from grpo_kernels.rl.trainer import Trainer
+
+    impls = [s.strip() for s in args.impls.split(",") if s.strip()]
+    bad = [i for i in impls if i not in LOSS_IMPLS]
+    if len(impls) < 2 or bad:
+        raise ValueError(f"--impls must name two or more of {list(LOSS_IMPLS)}, got "
+                         f"{args.impls!r}")
+    base = load_config(args, **{"train.steps": args.steps, "train.run_dir": args.run_dir})
+    configs = {impl: base.replace(**{"loss.impl": impl, "train.run_dir": os.path.join(
+        base.train.run_dir, impl)}) for impl in impls}  # all validated before any run starts
+    for impl, config in configs.items():
+        print(f"== {impl}: {config.train.run_dir}", file=sys.stderr)
+        trainer = Trainer(config, progress=not args.no_progress)
+        trainer.run()
+        del trainer
+        gc.collect()
+        jax.clear_caches()
+    md, png, _ = ab_report({i: c.train.run_dir for i, c in configs.items()},
+                           base.train.run_dir, title=args.title or
+                           f"GRPO A/B: {', '.join(impls)} ({base.train.steps} steps)")
+    with open(md, encoding="utf-8") as f:
+        print(f.read())
+    print(f"report: {md}\ncurves: {png}")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from grpo_kernels.rl import data as data_lib
+    from grpo_kernels.rl.evaluate import evaluate
+    from grpo_kernels.rl.trainer import Trainer, load_policy
+
+    extra = {"data.source": "gsm8k", "data.path": args.data} if args.data else {}
+    config = load_config(args, **{"train.run_dir": args.checkpoint, **extra})
+    problems = data_lib.load_problems(config.data.source, config.data.path,
+                                      config.data.difficulty, config.data.num_problems,
+                                      config.seed + 1)[:args.limit]
+    if args.checkpoint:
+        if not os.path.isdir(os.path.join(args.checkpoint, "checkpoints")):
+            raise ValueError(f"--checkpoint {args.checkpoint!r}: no checkpoints/ directory "
+                             "(expected a train.run_dir)")
+        trainer = Trainer(config, progress=False)
+        step = trainer.restore(trainer._manager())
+        from flax import nnx
+
+        nnx.update(trainer.model, trainer.state)
+        model, tokenizer = trainer.model, trainer.tokenizer
+    else:
+        step = 0
+        model, tokenizer = load_policy(config)
+    result = evaluate(model, tokenizer, problems, system_prompt=config.data.system_prompt,
+                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                      progress=not args.no_progress)
+    result.update({"checkpoint": args.checkpoint, "checkpoint_step": step,
+                   "data": config.data.path or f"arithmetic level {config.data.difficulty}"})
+    print(json.dumps(result, indent=1))
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+def add_parsers(sub: Any) -> None:
+    from grpo_kernels.rl.config import LOSS_IMPLS
+
+    p = sub.add_parser("train", help="GRPO training run from a YAML config",
+                       description="GRPO training: rollout, rewards, advantages, update with "
+                       "the loss implementation of loss.impl; resumes from the run dir's last "
+                       "checkpoint. Writes metrics.jsonl, samples.jsonl, W&B files and "
+                       "checkpoints into train.run_dir.")
+    _common(p)
+    p.add_argument("--impl", choices=LOSS_IMPLS, help="override loss.impl")
+    p.set_defaults(run=run_train)
+
+    p = sub.add_parser("ab", help="the same GRPO run with several loss implementations, and "
+                       "a report", description="Runs the config once per --impls entry (same "
+                       "seed; run dirs RUN_DIR/<impl>), then writes RUN_DIR/ab_report.md and "
+                       "RUN_DIR/ab_curves.png. The first implementation is the baseline.")
+    _common(p)
+    p.add_argument("--impls", default="reference,lm_head_fused",
+                   help="comma-separated loss.impl values (default: reference,lm_head_fused)")
+    p.add_argument("--title", help="title of the report and plot")
+    p.set_defaults(run=run_ab)
+
+    p = sub.add_parser("eval", help="greedy accuracy on a problem set",
+                       description="Greedy completions of the first --limit problems; accuracy "
+                       "by math-verify against the '#### N' answer.")
+    _common(p)
+    p.add_argument("--checkpoint", help="a train.run_dir whose last checkpoint to evaluate "
+                   "(default: the config's model as loaded)")
+    p.add_argument("--data", help="GSM8K jsonl file (overrides data.source/data.path)")
+    p.add_argument("--limit", type=int, default=200, help="number of problems (default 200)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--output", help="also write the result JSON here")
+    p.set_defaults(run=run_eval)

@@ -1,0 +1,136 @@
+r"""Where the model meets the loss: completion log-probs, the micro-batch loss with the whole
+batch's normalisers, and the compiled programs of one update.
+
+A batch row is ``[prompt (left-padded to P) | completion (C)]``. The decoder runs on the row but
+its last token; the hidden states at positions ``P-1 .. P+C-2`` predict the completion tokens,
+and only those ``[N, C, H]`` states reach the head. ``loss.impl`` picks the head + loss:
+
+- ``reference``, ``xla``, ``pallas``: float32 logits ``[N, C, V]`` from ``model.logits``, then
+  :func:`grpo_kernels.grpo_loss` with that implementation;
+- ``lm_head_fused``: :func:`grpo_kernels.grpo_loss_from_hidden` (``impl="xla"``) on the hidden
+  states and the head in the compute dtype, with float32 logits formed a chunk at a time: the
+  same numbers as ``reference`` (bf16 operands, float32 accumulation) without ``[N, C, V]``.
+
+Gradient accumulation keeps TRL's loss exact for the whole batch of ``B`` rows and ``K`` real
+completion tokens: a micro-batch of ``M`` rows and ``k`` tokens contributes its loss times
+``M / B`` (``grpo``, ``dr_grpo``: per-row means), ``k / K`` (``bnpo``: a token mean), or ``1`` with
+``num_items_in_batch = K`` (``dapo``), so the summed gradients equal the full batch's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.ops.lm_head_loss import grpo_loss_from_hidden
+from grpo_kernels.ops.logits_loss import grpo_loss
+
+Array = jax.Array
+METRIC_NAMES = ("kl", "entropy", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region")
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One rollout's training rows (host arrays).
+
+    Attributes:
+      ids: ``[N, P + C]`` prompt (left-padded) then completion ids.
+      attention: ``[N, P + C]`` 1 for real tokens.
+      mask: ``[N, C]`` completion mask (1 up to and including the end token).
+      advantages: ``[N]``.
+      prompt_width: ``P``.
+      old_logps, ref_logps: ``[N, C]`` or None.
+    """
+
+    ids: np.ndarray
+    attention: np.ndarray
+    mask: np.ndarray
+    advantages: np.ndarray
+    prompt_width: int
+    old_logps: np.ndarray | None = None
+    ref_logps: np.ndarray | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.ids.shape[0])
+
+    def micro(self, start: int, size: int) -> dict[str, Any]:
+        """Rows ``start .. start+size-1`` as a dict of arrays (None kept for absent inputs)."""
+        sl = slice(start, start + size)
+        return {"ids": self.ids[sl], "attention": self.attention[sl], "mask": self.mask[sl],
+                "advantages": self.advantages[sl],
+                "old_logps": None if self.old_logps is None else self.old_logps[sl],
+                "ref_logps": None if self.ref_logps is None else self.ref_logps[sl]}
+
+
+def micro_scale(config: GRPOLossConfig, rows: int, tokens: int, total_rows: int,
+                total_tokens: int) -> float:
+    """Weight of a micro-batch's loss in the whole batch's loss (see the module docstring)."""
+    if config.loss_type in ("grpo", "dr_grpo"):
+        return rows / total_rows
+    if config.loss_type == "bnpo":
+        return tokens / max(total_tokens, 1)
+    return 1.0  # dapo: normalised by num_items_in_batch, the whole batch's token count
+
+
+def completion_hidden(model: Any, ids: Array, attention: Array, prompt_width: int) -> Array:
+    """Hidden states ``[N, C, H]`` that predict the completion tokens ``ids[:, P:]``."""
+    hidden = model(ids[:, :-1], attention_mask=attention[:, :-1], return_hidden=True)
+    return hidden[:, prompt_width - 1:]
+
+
+def loss_on(model: Any, mb: dict[str, Any], *, impl: str, config: GRPOLossConfig,
+            prompt_width: int, num_items: Array | None = None, mesh: Any = None,
+            sharding: Any = None) -> tuple[Array, dict[str, Array]]:
+    """The GRPO loss of a micro-batch (the micro-batch's own normalisers) and its metrics."""
+    hidden = completion_hidden(model, mb["ids"], mb["attention"], prompt_width)
+    targets = mb["ids"][:, prompt_width:]
+    extra = dict(config=config, old_logps=mb["old_logps"], ref_logps=mb["ref_logps"],
+                 num_items_in_batch=num_items)
+    if mesh is not None:
+        from grpo_kernels.sharding import sharded_grpo_loss, sharded_grpo_loss_from_hidden
+
+        extra.update(mesh=mesh, sharding=sharding)
+        fused, plain = sharded_grpo_loss_from_hidden, sharded_grpo_loss
+    else:
+        fused, plain = grpo_loss_from_hidden, grpo_loss
+    if impl == "lm_head_fused":
+        head = model.head().astype(model.config.compute_dtype)
+        return fused(hidden, head, targets, mb["mask"], mb["advantages"], impl="xla",
+                     lm_head_layout="vh", logits_dtype=jnp.float32, **extra)
+    return plain(model.logits(hidden), targets, mb["mask"], mb["advantages"], impl=impl,
+                 **extra)
+
+
+def make_programs(graphdef: Any, *, impl: str, config: GRPOLossConfig, prompt_width: int,
+                  mesh: Any = None, sharding: Any = None) -> tuple[Callable, Callable]:
+    """``(grad_fn, logp_fn)`` for one prompt width, to be jitted.
+
+    ``grad_fn(state, mb, scale, num_items)`` returns ``((scale * loss, metrics), grads)``;
+    ``logp_fn(state, mb)`` the completion log-probs ``[M, C]`` (no gradient).
+    """
+    def scaled_loss(state, mb, scale, num_items):
+        model = nnx.merge(graphdef, state)
+        loss, metrics = loss_on(model, mb, impl=impl, config=config, prompt_width=prompt_width,
+                                num_items=num_items, mesh=mesh, sharding=sharding)
+        keep = {name: metrics[name] for name in METRIC_NAMES}
+        return scale * loss, keep
+
+    grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
+
+    no_kl = dataclasses.replace(config, beta=0.0)
+
+    def logp_fn(state, mb):
+        model = nnx.merge(graphdef, state)
+        mb = {**mb, "old_logps": None, "ref_logps": None}
+        _, metrics = loss_on(model, mb, impl=impl, config=no_kl, prompt_width=prompt_width,
+                             mesh=mesh, sharding=sharding)
+        return jax.lax.stop_gradient(metrics["logp"])
+
+    return grad_fn, logp_fn

@@ -1,0 +1,178 @@
+"""The A/B report: two or more runs of one config that differ only in ``loss.impl``.
+
+Markdown with step 1 (identical rollouts, so loss and grad norm must agree within the bfloat16
+loss tolerances of ``grpo-kernels gradcheck``), the last-10-step means and their ratios to the
+first (baseline) run, and a PNG of reward, loss, step time and memory per step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from grpo_kernels.rl.trainer import read_metrics
+
+# step 1: the loss gate of gradcheck's bfloat16 tolerances, and its relative gradient gate
+# (plus an absolute floor: with all-equal rewards the gradient is rounding noise near 0)
+LOSS_ATOL, LOSS_RTOL, GRAD_NORM_RTOL, GRAD_NORM_ATOL = 1e-4, 1e-4, 1e-2, 1e-6
+LAST = 10
+PLOTS = (("reward/mean", "mean reward"), ("loss", "loss"),
+         ("time/train/step_s", "step time (s)"), ("memory/peak_bytes", "peak memory (MiB)"))
+
+SMOOTHED = ("reward/mean", "loss")
+SMOOTH = 5
+
+
+def running_mean(values: np.ndarray, window: int) -> np.ndarray:
+    """Means of each ``window`` consecutive values (``len(values) - window + 1`` of them)."""
+    c = np.cumsum(np.concatenate([[0.0], values]))
+    return (c[window:] - c[:-window]) / window
+
+
+def _last_mean(records: Sequence[dict[str, Any]], key: str) -> float:
+    values = [r[key] for r in records[-LAST:] if key in r]
+    return float(np.mean(values)) if values else float("nan")
+
+
+def _sem(records: Sequence[dict[str, Any]], key: str) -> float:
+    values = np.array([r[key] for r in records[-LAST:] if key in r], np.float64)
+    return float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else 0.0
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Numbers of the report: per-run step 1 and last-10 means, ratios to the first run, the
+    step-1 agreement and the reward-noise check."""
+    names = list(runs)
+    base = names[0]
+    out: dict[str, Any] = {"baseline": base, "runs": {}}
+    for name, records in runs.items():
+        if not records:
+            raise ValueError(f"run {name!r} has no metrics")
+        first = records[0]
+        out["runs"][name] = {
+            "steps": len(records),
+            "step1_loss": first["loss"], "step1_grad_norm": first["grad_norm"],
+            "step1_reward": first["reward/mean"],
+            "reward_last10": _last_mean(records, "reward/mean"),
+            "reward_last10_sem": _sem(records, "reward/mean"),
+            "loss_last10": _last_mean(records, "loss"),
+            "step_avg_last10_s": records[-1]["time/train/step_avg_last10_s"],
+            "update_last10_s": _last_mean(records, "time/train/update_s"),
+            "peak_bytes": max(r["memory/peak_bytes"] for r in records),
+            "peak_rss_bytes": max(r["memory/peak_rss_bytes"] for r in records),
+        }
+    b = out["runs"][base]
+    for name in names[1:]:
+        r = out["runs"][name]
+        loss_diff = abs(r["step1_loss"] - b["step1_loss"])
+        grad_rel = abs(r["step1_grad_norm"] - b["step1_grad_norm"]) / max(
+            abs(b["step1_grad_norm"]), 1e-30)
+        reward_diff = r["reward_last10"] - b["reward_last10"]
+        noise = 2 * math.hypot(r["reward_last10_sem"], b["reward_last10_sem"])
+        r.update({
+            "step1_same_rollout": r["step1_reward"] == b["step1_reward"],
+            "step1_loss_diff": loss_diff,
+            "step1_loss_ok": loss_diff <= LOSS_ATOL + LOSS_RTOL * abs(b["step1_loss"]),
+            "step1_grad_norm_rel_diff": grad_rel,
+            "step1_grad_norm_ok": abs(r["step1_grad_norm"] - b["step1_grad_norm"])
+            <= GRAD_NORM_RTOL * abs(b["step1_grad_norm"]) + GRAD_NORM_ATOL,
+            "step_time_ratio": r["step_avg_last10_s"] / b["step_avg_last10_s"],
+            "update_time_ratio": r["update_last10_s"] / b["update_last10_s"],
+            "peak_memory_ratio": r["peak_bytes"] / b["peak_bytes"],
+            "reward_last10_diff": reward_diff,
+            "reward_noise_2se": noise,
+            "reward_within_noise": abs(reward_diff) <= noise,
+        })
+    return out
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2 ** 20:,.0f} MiB"
+
+
+def markdown(summary: dict[str, Any], title: str, png: str | None) -> str:
+    runs, base = summary["runs"], summary["baseline"]
+    lines = [f"# {title}", ""]
+    lines += ["| | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
+    rows = [("steps", "steps", str), ("step 1 loss", "step1_loss", lambda v: f"{v:.6g}"),
+            ("step 1 grad norm", "step1_grad_norm", lambda v: f"{v:.6g}"),
+            ("last-10 mean reward", "reward_last10", lambda v: f"{v:.3f}"),
+            ("last-10 mean loss", "loss_last10", lambda v: f"{v:.4g}"),
+            ("step_avg_last10_s", "step_avg_last10_s", lambda v: f"{v:.3f}"),
+            ("last-10 mean update_s", "update_last10_s", lambda v: f"{v:.3f}"),
+            ("peak memory (update)", "peak_bytes", _mib),
+            ("process peak RSS", "peak_rss_bytes", _mib)]
+    for label, key, fmt in rows:
+        lines.append(f"| {label} | " + " | ".join(fmt(r[key]) for r in runs.values()) + " |")
+    lines.append("")
+    for name, r in list(runs.items())[1:]:
+        lines += [f"## {name} vs {base}", "",
+                  f"- step 1 rollouts identical: {r['step1_same_rollout']}",
+                  f"- step 1 |loss difference| = {r['step1_loss_diff']:.3g} "
+                  f"(gate {LOSS_ATOL:g} + {LOSS_RTOL:g}·|loss|): "
+                  f"{'ok' if r['step1_loss_ok'] else 'FAIL'}",
+                  f"- step 1 grad norm relative difference = "
+                  f"{r['step1_grad_norm_rel_diff']:.3g} (gate {GRAD_NORM_RTOL:g}, or an absolute "
+                  f"difference <= {GRAD_NORM_ATOL:g}): "
+                  f"{'ok' if r['step1_grad_norm_ok'] else 'FAIL'}",
+                  f"- step time ratio (step_avg_last10_s) = {r['step_time_ratio']:.3f}; "
+                  f"update time ratio = {r['update_time_ratio']:.3f}",
+                  f"- peak memory ratio = {r['peak_memory_ratio']:.3f}",
+                  f"- last-10 reward difference = {r['reward_last10_diff']:+.3f} "
+                  f"(2 standard errors: {r['reward_noise_2se']:.3f}): "
+                  f"{'within noise' if r['reward_within_noise'] else 'outside noise'}", ""]
+    lines.append("Peak memory is the device's peak_bytes_in_use where the backend reports it, "
+                 "else the update step's compiled temp bytes (XLA's plan).")
+    if png:
+        lines += ["", f"![A/B curves]({os.path.basename(png)})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: dict[str, list[dict[str, Any]]], path: str, title: str) -> str:
+    """Reward, loss, step time and memory per step for every run, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    for ax, (key, label) in zip(axes.flat, PLOTS):
+        for i, (name, records) in enumerate(runs.items()):
+            steps = np.array([r["step"] for r in records if key in r])
+            values = np.array([r[key] for r in records if key in r], np.float64)
+            if key == "memory/peak_bytes":
+                values = values / 2 ** 20
+            color = f"C{i}"
+            if key in SMOOTHED and len(values) >= SMOOTH:
+                # the raw per-step values faint, their running mean over SMOOTH steps solid
+                ax.plot(steps, values, color=color, alpha=0.3, marker=".")
+                ax.plot(steps[SMOOTH - 1:], running_mean(values, SMOOTH), color=color,
+                        label=f"{name} (mean of {SMOOTH})")
+            else:
+                ax.plot(steps, values, color=color, label=name,
+                        marker="." if len(steps) < 40 else None)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def ab_report(run_dirs: dict[str, str], out_dir: str, title: str = "GRPO A/B"
+              ) -> tuple[str, str, dict[str, Any]]:
+    """Writes ``ab_report.md`` and ``ab_curves.png`` into ``out_dir``; returns
+    ``(markdown path, png path, summary)``."""
+    runs = {name: read_metrics(d) for name, d in run_dirs.items()}
+    summary = summarize(runs)
+    os.makedirs(out_dir, exist_ok=True)
+    png = plot(runs, os.path.join(out_dir, "ab_curves.png"), title)
+    md_path = os.path.join(out_dir, "ab_report.md")
+    with open(md_path, "w", encoding="utf-8") as f:
+        f.write(markdown(summary, title, png))
+    return md_path, png, summary

