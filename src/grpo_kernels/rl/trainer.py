@@ -14,6 +14,7 @@ continues from its last checkpoint exactly as if it had never stopped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import resource
@@ -58,6 +59,17 @@ def _truncate(model: Decoder, num_layers: int | None) -> Decoder:
     return model
 
 
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str, mtime: float) -> Any:
+    """The tokenizer of a GGUF file or tokenizer directory, read once per process (a GGUF's
+    vocabulary takes seconds to parse); ``mtime`` keys a changed file anew."""
+    from grpo_kernels.models.tokenizer import TextTokenizer
+
+    del mtime
+    return (TextTokenizer.from_gguf(path) if os.path.isfile(path)
+            else TextTokenizer.from_dir(path))
+
+
 def load_policy(config: TrainConfig) -> tuple[Decoder, Any]:
     """``(model, tokenizer)`` that ``config.model`` names.
 
@@ -67,7 +79,6 @@ def load_policy(config: TrainConfig) -> tuple[Decoder, Any]:
     """
     from grpo_kernels.models.gguf_loader import load_gguf, smollm2_path
     from grpo_kernels.models.hf import load_hf_checkpoint
-    from grpo_kernels.models.tokenizer import TextTokenizer
 
     m = config.model
     dtypes = dict(param_dtype=_dtype(m.param_dtype), compute_dtype=_dtype(m.compute_dtype))
@@ -89,8 +100,7 @@ def load_policy(config: TrainConfig) -> tuple[Decoder, Any]:
     if not os.path.exists(tok_path):
         raise ValueError(f"model.tokenizer {tok_path!r}: no such file or directory (expected a "
                          "directory with tokenizer.json, or a GGUF file)")
-    tokenizer = (TextTokenizer.from_gguf(tok_path) if os.path.isfile(tok_path)
-                 else TextTokenizer.from_dir(tok_path))
+    tokenizer = _tokenizer(tok_path, os.path.getmtime(tok_path))
     if m.source == "random":
         shape = dict(m.random)
         shape.setdefault("vocab_size", tokenizer.tokenizer.get_vocab_size())
