@@ -112,7 +112,7 @@ def run_eval(args: argparse.Namespace) -> int:
             raise ValueError(f"--checkpoint {args.checkpoint!r}: no checkpoints/ directory "
                              "(expected a train.run_dir)")
         trainer = Trainer(config, progress=False)
-        step = trainer.restore(trainer._manager())
+        step = trainer.restore()
         from flax import nnx
 
         nnx.update(trainer.model, trainer.state)

@@ -149,13 +149,11 @@ class MetricsLog:
 
     def __init__(self, run_dir: str, config: TrainConfig, resume_step: int):
         self.path = os.path.join(run_dir, METRICS_FILE)
-        kept = []
-        if os.path.isfile(self.path):  # drop steps after the checkpoint we resume from
-            with open(self.path, encoding="utf-8") as f:
-                kept = [line for line in f if line.strip()
-                        and json.loads(line).get("step", 0) <= resume_step]
+        # the steps up to the checkpoint we resume from; later ones are run again
+        self.records = [r for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step] \
+            if os.path.isfile(self.path) else []
         with open(self.path, "w", encoding="utf-8") as f:
-            f.writelines(kept)
+            f.writelines(json.dumps(r) + "\n" for r in self.records)
         self.file = open(self.path, "a", encoding="utf-8")
         self.wandb = None
         mode = config.logging.wandb_mode
@@ -228,14 +226,13 @@ def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
 class Trainer:
     """A GRPO run of ``config``; :meth:`run` trains (resuming from ``train.run_dir``)."""
 
-    def __init__(self, config: TrainConfig, *, progress: bool = True,
-                 model: tuple[Decoder, Any] | None = None):
+    def __init__(self, config: TrainConfig, *, progress: bool = True):
         self.config = config
         self.progress = progress
         c = config
         self.problems = data_lib.load_problems(c.data.source, c.data.path, c.data.difficulty,
                                                c.data.num_problems, c.seed)
-        self.model, self.tokenizer = model if model is not None else load_policy(c)
+        self.model, self.tokenizer = load_policy(c)
         self.loss_config = c.loss_config()
         self.graphdef, self.state = nnx.split(self.model)
         self.mesh, self.sharding = self._mesh()
@@ -407,10 +404,12 @@ class Trainer:
         manager.save(step, args=ocp.args.StandardSave(self._tree()), force=True)
         manager.wait_until_finished()
 
-    def restore(self, manager: Any) -> int:
-        """Loads the latest checkpoint; returns its step (0 when there is none)."""
+    def restore(self, manager: Any = None) -> int:
+        """Loads the latest checkpoint of ``run_dir``; returns its step (0 when there is
+        none)."""
         import orbax.checkpoint as ocp
 
+        manager = manager or self._manager()
         step = manager.latest_step()
         if step is None:
             return 0
@@ -443,7 +442,7 @@ class Trainer:
         start = self.restore(manager)
         log = MetricsLog(run_dir, c, start)
         samples = open(os.path.join(run_dir, SAMPLES_FILE), "a", encoding="utf-8")
-        step_times = [r.get("time/train/step_s", 0.0) for r in read_metrics(run_dir)][-10:]
+        step_times = [r.get("time/train/step_s", 0.0) for r in log.records][-10:]
         records = []
         bar = tqdm(total=c.train.steps, initial=start, desc=f"train {c.loss.impl}",
                    disable=not self.progress, dynamic_ncols=True)
