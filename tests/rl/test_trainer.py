@@ -87,6 +87,8 @@ def test_metrics_and_resume_after_a_crash(tmp_path):
     assert [r["step"] for r in later] == [3, 4]
     logged = read_metrics(str(tmp_path / "b"))
     assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    with open(tmp_path / "b" / "samples.jsonl", encoding="utf-8") as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4]
     for a, b in zip(records, logged):
         assert a["reward/mean"] == b["reward/mean"] and a["tokens"] == b["tokens"]
         np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5, atol=1e-7)

@@ -144,16 +144,24 @@ def device_peak_bytes() -> int | None:
     return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
+def truncate_jsonl(path: str, step: int) -> list[dict[str, Any]]:
+    """Keeps the lines of a per-step JSONL file up to ``step`` (the checkpoint a run resumes
+    from; later steps are run again) and returns them."""
+    kept = []
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            kept = [r for r in map(json.loads, filter(str.strip, f)) if r.get("step", 0) <= step]
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    return kept
+
+
 class MetricsLog:
     """Per-step metrics: a JSONL file (flushed every step) and optionally W&B."""
 
     def __init__(self, run_dir: str, config: TrainConfig, resume_step: int):
         self.path = os.path.join(run_dir, METRICS_FILE)
-        # the steps up to the checkpoint we resume from; later ones are run again
-        self.records = [r for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step] \
-            if os.path.isfile(self.path) else []
-        with open(self.path, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in self.records)
+        self.records = truncate_jsonl(self.path, resume_step)
         self.file = open(self.path, "a", encoding="utf-8")
         self.wandb = None
         mode = config.logging.wandb_mode
@@ -441,7 +449,9 @@ class Trainer:
         manager = self._manager()
         start = self.restore(manager)
         log = MetricsLog(run_dir, c, start)
-        samples = open(os.path.join(run_dir, SAMPLES_FILE), "a", encoding="utf-8")
+        samples_path = os.path.join(run_dir, SAMPLES_FILE)
+        truncate_jsonl(samples_path, start)
+        samples = open(samples_path, "a", encoding="utf-8")
         step_times = [r.get("time/train/step_s", 0.0) for r in log.records][-10:]
         records = []
         bar = tqdm(total=c.train.steps, initial=start, desc=f"train {c.loss.impl}",
