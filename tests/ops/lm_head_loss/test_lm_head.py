@@ -10,7 +10,8 @@ from grpo_kernels import (GRPOLossConfig, LmHeadBlockSizes, LmHeadPallasOptions,
                           grpo_loss_from_hidden)
 from grpo_kernels.config import LOSS_TYPES
 from grpo_kernels.ops.lm_head_loss import pallas_tpu
-from grpo_kernels.ops.lm_head_loss.xla import plan_chunk
+from grpo_kernels.ops.lm_head_loss import xla as xla_impl
+from grpo_kernels.ops.lm_head_loss.xla import delta_dtype, plan_chunk
 from tests.helpers import as64, rel_err
 from tests.oracle import oracle
 
@@ -99,6 +100,23 @@ def test_pallas_interpret_matches_reference_f32(cfg):
 def test_layouts_and_bias(impl, layout, bias):
     cfg = GRPOLossConfig(beta=0.04, importance_sampling_level="sequence")
     assert_close(impl, make_inputs(3, layout=layout, bias=bias), cfg, layout)
+
+
+@pytest.mark.parametrize("layout", ["hv", "vh"])
+def test_dweight_blocks_with_a_tail(monkeypatch, layout):
+    """dW goes over vocabulary blocks into an [H, V] accumulator (transposed once for "vh"):
+    two full blocks of 384 columns and a tail of 232, with chunked rows and a bias."""
+    monkeypatch.setattr(xla_impl, "DWEIGHT_BLOCK", 384)
+    cfg = GRPOLossConfig(beta=0.04)
+    assert_close("xla", make_inputs(11, layout=layout, bias=True), cfg, layout)
+
+
+def test_delta_dtype_is_the_narrower():
+    bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+    assert delta_dtype(f32, bf16) == bf16  # an f32 head on bf16 operands: bf16 matmuls
+    assert delta_dtype(bf16, f32) == bf16
+    assert delta_dtype(f32, f32) == f32
+    assert delta_dtype(bf16, bf16) == bf16
 
 
 def test_on_policy_and_dapo_num_items():

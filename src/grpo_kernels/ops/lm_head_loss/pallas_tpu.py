@@ -42,7 +42,7 @@ from jax.experimental.pallas import tpu as pltpu
 from grpo_kernels.compat import out_struct
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import loss_from_token_stats
-from grpo_kernels.ops.lm_head_loss.xla import common_dtype
+from grpo_kernels.ops.lm_head_loss.xla import common_dtype, delta_dtype
 from grpo_kernels.ops.lm_head_loss.xla import matmul as _dot
 from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, merge_stats
 from grpo_kernels.ops.logits_loss.xla import zero_cotangent
@@ -225,13 +225,14 @@ def head_statistics(h: Array, w: Array, bias: Array | None, ids: Array, *, layou
 
 def _delta(h, w_ref, b_ref, ids_ref, lse_ref, coef_ref, col0, *, vocab, layout, logits_dtype,
            tau):
-    """``(delta, w)`` of one tile: the logits gradient (logits dtype, 0 past V) and the W tile
-    with its columns past V zeroed (they hold garbage: the tile overhangs the array)."""
+    """``(delta, w)`` of one tile: the logits gradient (0 past V, in :func:`delta_dtype`) and
+    the W tile with its columns past V zeroed (they hold garbage: the tile overhangs the
+    array)."""
     s, cols, valid = _finish_logits(_matmul_hw(h, w_ref[...], layout), b_ref, col0, vocab=vocab,
                                     logits_dtype=logits_dtype, tau=tau)
     p = jnp.exp(s - lse_ref[...])
     delta = coef_ref[...] * ((cols == ids_ref[...]).astype(_F32) - p)
-    delta = jnp.where(valid, delta, 0.0).astype(logits_dtype)
+    delta = jnp.where(valid, delta, 0.0).astype(delta_dtype(logits_dtype, w_ref.dtype))
     w = w_ref[...]
     wcols = col0 + jax.lax.broadcasted_iota(jnp.int32, w.shape, 1 if layout == "hv" else 0)
     w = jnp.where(wcols < vocab, w, jnp.zeros_like(w))

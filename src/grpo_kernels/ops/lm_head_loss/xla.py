@@ -107,6 +107,19 @@ def common_dtype(a: Any, b: Any) -> jnp.dtype:
     return a if a == b else jnp.dtype(_F32)
 
 
+def delta_dtype(logits_dtype: Any, operand_dtype: Any) -> jnp.dtype:
+    """The dtype of ``delta``, the logits' gradient that the two gradient matmuls take: the
+    narrower of the logits dtype and the matmul operands' dtype.
+
+    An f32 head on 16-bit operands (``logits_dtype=float32``) keeps its logits and statistics
+    in float32 but multiplies a 16-bit ``delta`` by the 16-bit ``W`` (float32 accumulation), as
+    mixed-precision training does. A float32 ``delta`` would upcast ``W`` every chunk and run
+    both matmuls at float32 speed (2-3x slower on the development CPU, docs/lm_head.md).
+    """
+    logits, operands = jnp.dtype(logits_dtype), jnp.dtype(operand_dtype)
+    return logits if logits.itemsize <= operands.itemsize else operands
+
+
 def matmul(a: Array, b: Array, dims: Any) -> Array:
     """``dot_general`` with float32 accumulation, operands in their :func:`common_dtype`."""
     dtype = common_dtype(a.dtype, b.dtype)
@@ -126,6 +139,7 @@ class Head:
     @property
     def vocab(self) -> int:
         return self.w.shape[1] if self.layout == "hv" else self.w.shape[0]
+
 
     def logits(self, h: Array) -> Array:
         """``cast(h W + b)`` for rows ``h [c, H]``: float32 accumulation, one rounding."""
@@ -162,37 +176,34 @@ def _slice_rows(x: Array, start: Any, size: int, axis: int = 0) -> Array:
 GradFn = Callable[[Any, int, Array], Array]
 
 # Vocabulary columns per dW update: the update's float32 product is [H, DWEIGHT_BLOCK].
-DWEIGHT_BLOCK = 4096
+DWEIGHT_BLOCK = 8192
 
 
-def _accumulate_dweight(dw: Array, hc: Array, hc_t: Array, delta: Array, head: Head,
-                        block: int) -> Array:
+def _accumulate_dweight(dw: Array, hc_t: Array, delta: Array, block: int) -> Array:
     """``dw += h^T delta`` over vocabulary blocks of ``block`` columns, in place.
 
+    ``dw`` is ``[H, V]`` whatever the head's layout: ``hc_t`` (the chunk's ``h^T``,
+    materialised: ``[H, c]``) times a ``[c, block]`` slice of ``delta`` is the plain
+    ``[M, K] x [K, N]`` form that XLA:CPU hands to its fast matmul library. The ``"vh"`` form
+    ``delta^T h`` contracts the rows of both operands and ran 2-3x slower there
+    (docs/lm_head.md); its ``[V, H]`` result is one transpose of the accumulator at the end.
     Blocking keeps the matmul output small (a full ``[H, V]`` product would be a second
-    accumulator-sized buffer), and ``hc_t`` (the chunk's ``h^T``, materialised: ``[H, c]``)
-    puts the ``"hv"`` product in the plain ``[M, K] x [K, N]`` form that XLA:CPU hands to its
-    fast matmul library. Transposing per chunk rather than all of ``h`` once keeps an
-    ``[H, N]`` copy out of the temporaries at no measured cost (docs/lm_head.md).
+    accumulator-sized buffer). Transposing per chunk rather than all of ``h`` once keeps an
+    ``[H, N]`` copy out of the temporaries at no measured cost.
     """
     bits = _as_bits(delta)
 
     def body(col, width, acc):
         blk = _from_bits(jax.lax.dynamic_slice_in_dim(bits, col, width, axis=1), delta.dtype)
-        if head.layout == "hv":
-            upd = matmul(hc_t, blk, ((1,), (0,)))
-            start = (0, col)
-        else:
-            upd = matmul(blk, hc, ((0,), (0,)))
-            start = (col, 0)
-        old = jax.lax.dynamic_slice(acc, start, upd.shape)
-        return jax.lax.dynamic_update_slice(acc, old + upd, start)
+        upd = matmul(hc_t, blk, ((1,), (0,)))
+        old = jax.lax.dynamic_slice(acc, (0, col), upd.shape)
+        return jax.lax.dynamic_update_slice(acc, old + upd, (0, col))
 
-    return sweep(head.vocab, min(block, head.vocab), body, dw, like=(hc, delta))
+    return sweep(dw.shape[1], min(block, dw.shape[1]), body, dw, like=(hc_t, delta))
 
 
 def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
-               grad_fn: GradFn | None, dweight_block: int = DWEIGHT_BLOCK,
+               grad_fn: GradFn | None, dweight_block: int | None = None,
                lse: Array | None = None,
                reduce_dh: Callable[[Array], Array] | None = None,
                ) -> tuple[tuple[Array, Array, Array], Any]:
@@ -208,7 +219,7 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
       rows: Rows per chunk.
       grad_fn: ``None`` for statistics only; else ``grad_fn(start, size, logp_chunk)`` returns
         the chunk's ``g = dL/dlogp`` and the pass also forms the gradients.
-      dweight_block: Vocabulary columns per ``dW`` update.
+      dweight_block: Vocabulary columns per ``dW`` update (default :data:`DWEIGHT_BLOCK`).
       lse: ``[N]`` logsumexp to use in the gradient instead of the one of these columns (the
         whole-row value when the head is a vocabulary shard); ``None``: this pass's own.
       reduce_dh: Applied to each chunk's float32 ``dh`` before it is stored: the ``psum`` over
@@ -242,12 +253,12 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
         if lse is not None:
             lse_c = jax.lax.dynamic_slice_in_dim(lse, start, size)
         delta = cast_to(coef * (hit.astype(_F32) - jnp.exp(s - lse_c[:, None])),
-                        head.logits_dtype)
+                        delta_dtype(head.logits_dtype, head.w.dtype))
         dhc = head.dhidden(delta)
         dhc = _as_bits((dhc if reduce_dh is None else reduce_dh(dhc)).astype(h.dtype))
         dh_bits = jax.lax.dynamic_update_slice_in_dim(dh_bits, dhc, start, 0)
-        dw = _accumulate_dweight(dw, hc, jax.lax.optimization_barrier(hc.T), delta, head,
-                                 dweight_block)
+        dw = _accumulate_dweight(dw, jax.lax.optimization_barrier(hc.T), delta,
+                                 dweight_block or DWEIGHT_BLOCK)
         if db is not None:
             db = db + jnp.sum(delta.astype(_F32), axis=0)
         return stats, (dh_bits, dw, db)
@@ -260,11 +271,12 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
     if grad_fn is not None:
         dh0 = _as_bits(jnp.zeros((n, hidden), h.dtype))
         dh0 = vary_like(dh0, h) if reduce_dh is not None else vary_like(dh0, *like)
-        grads0 = (dh0, vary_like(jnp.zeros(head.w.shape, _F32), *like),
+        grads0 = (dh0, vary_like(jnp.zeros((hidden, vocab), _F32), *like),
                   None if head.bias is None else vary_like(jnp.zeros((vocab,), _F32), *like))
     stats, grads = sweep(n, rows, chunk, (stats0, grads0))
     if grads is not None:
-        grads = (_from_bits(grads[0], h.dtype), *grads[1:])
+        dh, dw, db = grads
+        grads = (_from_bits(dh, h.dtype), dw if head.layout == "hv" else dw.T, db)
     return stats, grads
 
 
