@@ -1,11 +1,11 @@
-"""Rewards (math-verify correctness, format) and group advantages against float64 formulas."""
+"""Rewards (math-verify correctness, format, brevity) and group advantages against float64 formulas."""
 
 import numpy as np
 import pytest
 
 from grpo_kernels.rl.data import Problem
-from grpo_kernels.rl.rewards import (correctness_reward, final_answer, format_reward,
-                                     group_advantages, score)
+from grpo_kernels.rl.rewards import (brevity_reward, correctness_reward, final_answer,
+                                     format_reward, group_advantages, score)
 
 P = Problem("q", "1000")
 
@@ -29,6 +29,12 @@ def test_correctness_uses_math_verify(text, reward):
     ("the answer is 7", 0.0), ("", 0.0), ("#### seven", 0.0)])
 def test_format_reward(text, reward):
     assert format_reward(text, P) == reward
+
+
+@pytest.mark.parametrize("text, reward", [
+    ("", 1.0), ("x" * 50, 0.75), ("x" * 200, 0.0), ("x" * 999, 0.0)])
+def test_brevity_reward(text, reward):
+    assert brevity_reward(text, P) == reward
 
 
 def test_score_weights_and_parts():

@@ -52,9 +52,26 @@ def format_reward(completion: str, problem: Problem) -> float:
     return 0.5 if any(_FINAL_LINE.match(line) for line in lines) else 0.0
 
 
+BREVITY_CHARS = 200
+
+
+def brevity_reward(completion: str, problem: Problem) -> float:
+    """``max(0, 1 - len(completion) / 200)``: shorter is better, whatever the content.
+
+    Not a task reward. It is for A/B runs of models too small to solve the task (the 2-layer
+    model of ``configs/head_ab_cpu.yaml`` earns 0 from ``correctness`` and ``format``, so every
+    advantage would be 0 and the two arms could not differ): any policy can earn it by ending
+    sooner, so both arms learn and their reward curves can be compared. In the spirit of the
+    length reward of TRL's GRPOTrainer quickstart.
+    """
+    del problem
+    return max(0.0, 1.0 - len(completion) / BREVITY_CHARS)
+
+
 REWARD_FUNCTIONS: dict[str, Callable[[str, Problem], float]] = {
     "correctness": correctness_reward,
     "format": format_reward,
+    "brevity": brevity_reward,
 }
 
 
