@@ -14,7 +14,10 @@ from gguf.quants import quantize  # noqa: E402
 
 from grpo_kernels.models.gguf_loader import (load_gguf, smollm2_path,  # noqa: E402
                                              tokenizer_from_gguf, unpermute_rows)
+from tests.models.kquants import quantize_q4_k, quantize_q6_k  # noqa: E402
 from tests.models.test_hf import IDS, SMALL, hf_logits  # noqa: E402
+
+K_QUANTS = {Q.Q4_K: quantize_q4_k, Q.Q6_K: quantize_q6_k}
 
 
 def llama_cpp_permute(w, heads):
@@ -35,8 +38,9 @@ _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn
           "post_attention_layernorm": "ffn_norm"}
 
 
-def write_gguf(path, model, qtype=None):
-    """A llama.cpp-layout GGUF of a transformers Llama: names, q/k permutation, optional quant."""
+def write_gguf(path, model, qtype=None, dequantised=None):
+    """A llama.cpp-layout GGUF of a transformers Llama: names, q/k permutation, optional quant.
+    For Q4_K / Q6_K, ``dequantised`` (a dict) receives the values each tensor holds."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch="llama")
     w.add_block_count(cfg.num_hidden_layers)
@@ -63,7 +67,13 @@ def write_gguf(path, model, qtype=None):
             if key in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = cfg.num_attention_heads if "q_proj" in key else cfg.num_key_value_heads
                 x = llama_cpp_permute(x, heads)
-        if qtype is not None and x.ndim == 2:
+        if qtype in K_QUANTS and x.ndim == 2:
+            raw, meant = K_QUANTS[qtype](x)
+            w.add_tensor(out, raw, raw_dtype=qtype)
+            if dequantised is not None:  # what the file holds, in transformers' layout
+                dequantised[name] = (unpermute_rows(meant, heads) if "_proj" in name and
+                                     name.split(".")[-2] in ("q_proj", "k_proj") else meant)
+        elif qtype is not None and x.ndim == 2:
             w.add_tensor(out, quantize(x, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(out, x)
@@ -87,6 +97,47 @@ def test_gguf_of_a_transformers_llama_gives_its_logits(tmp_path, qtype, tol):
     ids = IDS % 128
     err = np.max(np.abs(np.asarray(model(jnp.asarray(ids))) - hf_logits(ref, ids)))
     assert err <= tol, err
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=["q4_k", "q6_k"])
+def test_k_quant_writer_round_trips_through_the_gguf_reader(qtype):
+    """The test's Q4_K / Q6_K blocks dequantise, by the `gguf` package the loader uses, to
+    exactly the values the writer meant: the packing is right, so files made with it are
+    valid ones."""
+    x = np.random.default_rng(3).normal(size=(3, 512)).astype(np.float32)
+    x[1, :256] = np.abs(x[1, :256])  # a super-block without negatives (min 0)
+    x[2, 256:] = 0.0                 # and an all-zero one
+    raw, meant = K_QUANTS[qtype](x)
+    back = gguf.quants.dequantize(raw, qtype)
+    assert back.shape == x.shape
+    np.testing.assert_array_equal(back, meant)
+    assert np.max(np.abs(meant - x)) <= (0.15 if qtype == Q.Q4_K else 0.05) * np.max(np.abs(x))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q4_K], ids=["q6_k", "q4_k"])
+def test_k_quant_gguf_gives_the_logits(tmp_path, qtype):
+    """A file of Q4_K / Q6_K tensors (rows of 256: hidden 256 here) gives the logits of the
+    transformers model holding the very values the file encodes (float32, 1e-4), and stays
+    near the unquantised model's."""
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(**{**SMALL, "hidden_size": 256, "intermediate_size": 512,
+                                      "vocab_size": 128}, tie_word_embeddings=False)
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    path, held = tmp_path / "tiny.gguf", {}
+    write_gguf(path, ref, qtype, dequantised=held)
+    reader = gguf.GGUFReader(str(path))
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == qtype and types["blk.0.ffn_down.weight"] == qtype
+    _, model = load_gguf(str(path), compute_dtype=jnp.float32)
+    ids = IDS % 128
+    ours = np.asarray(model(jnp.asarray(ids)))
+    unquantised = hf_logits(ref, ids)
+    state = ref.state_dict()
+    ref.load_state_dict({k: torch.from_numpy(held[k]) if k in held else v
+                         for k, v in state.items()})
+    assert len(held) == 2 + 7 * cfg.num_hidden_layers  # every matrix was K-quantised
+    assert np.max(np.abs(ours - hf_logits(ref, ids))) <= 1e-4
+    assert np.max(np.abs(ours - unquantised)) <= (0.1 if qtype == Q.Q6_K else 0.5)
 
 
 def test_bad_gguf_files(tmp_path):
