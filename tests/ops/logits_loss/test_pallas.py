@@ -10,7 +10,6 @@ import itertools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
