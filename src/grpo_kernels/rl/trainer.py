@@ -144,13 +144,18 @@ def device_peak_bytes() -> int | None:
     return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """The records of a JSONL file, blank lines skipped."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def truncate_jsonl(path: str, step: int) -> list[dict[str, Any]]:
     """Keeps the lines of a per-step JSONL file up to ``step`` (the checkpoint a run resumes
     from; later steps are run again) and returns them."""
     kept = []
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            kept = [r for r in map(json.loads, filter(str.strip, f)) if r.get("step", 0) <= step]
+        kept = [r for r in read_jsonl(path) if r.get("step", 0) <= step]
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in kept)
     return kept
@@ -202,8 +207,7 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
     path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no metrics (was the run started?)")
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(path)
 
 
 def _check_resumable(run_dir: str, config: TrainConfig) -> None:

@@ -140,7 +140,6 @@ class Head:
     def vocab(self) -> int:
         return self.w.shape[1] if self.layout == "hv" else self.w.shape[0]
 
-
     def logits(self, h: Array) -> Array:
         """``cast(h W + b)`` for rows ``h [c, H]``: float32 accumulation, one rounding."""
         k = 0 if self.layout == "hv" else 1
@@ -232,6 +231,7 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
     """
     n, hidden = h.shape
     vocab = head.vocab
+    dweight_block = dweight_block or DWEIGHT_BLOCK
 
     def chunk(start, size, carry):
         stats, grads = carry
@@ -257,8 +257,7 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
         dhc = head.dhidden(delta)
         dhc = _as_bits((dhc if reduce_dh is None else reduce_dh(dhc)).astype(h.dtype))
         dh_bits = jax.lax.dynamic_update_slice_in_dim(dh_bits, dhc, start, 0)
-        dw = _accumulate_dweight(dw, jax.lax.optimization_barrier(hc.T), delta,
-                                 dweight_block or DWEIGHT_BLOCK)
+        dw = _accumulate_dweight(dw, jax.lax.optimization_barrier(hc.T), delta, dweight_block)
         if db is not None:
             db = db + jnp.sum(delta.astype(_F32), axis=0)
         return stats, (dh_bits, dw, db)
