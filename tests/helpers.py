@@ -12,13 +12,30 @@ from grpo_kernels import GRPOLossConfig, grpo_loss
 from grpo_kernels.config import LOSS_TYPES
 
 
+GRID_LEVELS = (LOSS_TYPES, ("token", "sequence"), (0.0, 0.04), (None, 2.0), (1.0, 0.7))
+
+
+def _grid_config(time: int, lt, lvl, beta, delta, temp) -> GRPOLossConfig:
+    return GRPOLossConfig(loss_type=lt, importance_sampling_level=lvl, beta=beta, delta=delta,
+                          temperature=temp, max_completion_length=time)
+
+
 def loss_grid(time: int):
     """The issue's grid: loss_type x level x beta x delta x temperature."""
-    for lt, lvl, beta, delta, temp in itertools.product(
-        LOSS_TYPES, ("token", "sequence"), (0.0, 0.04), (None, 2.0), (1.0, 0.7)
-    ):
-        yield GRPOLossConfig(loss_type=lt, importance_sampling_level=lvl, beta=beta, delta=delta,
-                             temperature=temp, max_completion_length=time)
+    for values in itertools.product(*GRID_LEVELS):
+        yield _grid_config(time, *values)
+
+
+def loss_grid_split(time: int, dtypes: tuple = (jnp.float32, jnp.bfloat16)):
+    """Every config of :func:`loss_grid` once, each paired with one of ``dtypes``.
+
+    The dtype is the sum of the config's level indices modulo ``len(dtypes)``, so every level of
+    every factor, and every pair of levels of two factors, meets every dtype (a parity split
+    on one factor alone, say index parity, would tie float32 to one temperature).
+    """
+    for index in itertools.product(*(range(len(levels)) for levels in GRID_LEVELS)):
+        values = [levels[i] for levels, i in zip(GRID_LEVELS, index, strict=True)]
+        yield _grid_config(time, *values), dtypes[sum(index) % len(dtypes)]
 
 
 def grid_id(cfg: GRPOLossConfig) -> str:

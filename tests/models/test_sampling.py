@@ -28,11 +28,19 @@ def model():
     return m
 
 
+@nnx.jit
+def _forward(model, ids):
+    return model(ids)[0]
+
+
 def full_forward_greedy(model, prompt, steps):
+    """Step-by-step argmax of the full forward. The sequence is right-padded to one fixed length
+    (one compiled forward); causal attention keeps the padding out of the real positions."""
     cur = list(prompt)
     logps = []
+    width = len(prompt) + steps
     for _ in range(steps):
-        logits = model(jnp.asarray([cur]))[0, -1]
+        logits = _forward(model, jnp.asarray([cur + [0] * (width - len(cur))]))[len(cur) - 1]
         tok = int(jnp.argmax(logits))
         logps.append(float(jax.nn.log_softmax(logits)[tok]))
         cur.append(tok)
