@@ -17,6 +17,7 @@ and an untied LM head ``[V, H]`` (so the head is ``lm_head_layout="vh"`` for the
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -61,6 +62,52 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
     return out.astype(x.dtype)
 
 
+def linear(x: Array, w: Array, dtype: Any) -> Array:
+    r"""``x @ w`` with both operands in ``dtype``, accumulated in float32, rounded once to ``dtype``.
+
+    For bfloat16 this is the rounding of a bfloat16-output dot, but XLA:CPU runs a
+    float32-output dot of bfloat16 operands on its fast matmul path and a bfloat16-output one on
+    a slow path (``[16, 576] x [576, 1536]``: 0.30 ms against 0.73 ms on the development
+    machine, ``benchmarks/decoder_cpu_probes.py --only dots``, docs/benchmarks.md). The gradient is written out for the same reason:
+
+    .. math::
+
+        \partial x = g\, w^\top, \qquad \partial w = x^\top g \quad (\text{float32, cast
+        once to } w\text{'s own dtype})
+
+    both as plain ``[M, K] x [K, N]`` products of materialised transposes in ``dtype`` (the
+    form XLA:CPU hands to its fast library; ``x^T g`` written as a contraction over the rows
+    of both ran ~5x slower). ``w`` enters in its stored dtype, so float32 parameters get a
+    float32 gradient rather than one rounded to ``dtype``.
+    """
+    return _linear(x.astype(dtype), w, jnp.dtype(dtype))
+
+
+def _mm(a: Array, b: Array, dtype: Any) -> Array:
+    return jnp.matmul(a.astype(dtype), b.astype(dtype), preferred_element_type=_F32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _linear(x: Array, w: Array, dtype: Any) -> Array:
+    return _mm(x, w, dtype).astype(dtype)
+
+
+def _linear_fwd(x, w, dtype):
+    return _linear(x, w, dtype), (x, w)
+
+
+def _linear_bwd(dtype, res, g):
+    x, w = res
+    barrier = jax.lax.optimization_barrier
+    dx = _mm(g, barrier(w.astype(dtype).T), dtype).astype(x.dtype)
+    rows = x.reshape(-1, x.shape[-1])
+    dw = _mm(barrier(rows.T), g.reshape(-1, g.shape[-1]), dtype)
+    return dx, dw.astype(w.dtype)
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype: Any):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
@@ -92,39 +139,46 @@ class Attention(nnx.Module):
 
     def _proj(self, x: Array, name: str, heads: int) -> Array:
         dt = self.config.compute_dtype
-        y = x @ getattr(self, name)[...].astype(dt)
+        y = linear(x, getattr(self, name)[...], dt)
         if self.config.attention_bias:
             y = y + getattr(self, name + "_bias")[...].astype(dt)[None, None, :]
         return y.reshape(*x.shape[:2], heads, self.config.head_dim)
 
     def __call__(self, x: Array, positions: Array, mask: Array, inv_freq: Array,
                  cache: tuple[Array, Array] | None = None, index: Any = None) -> Any:
-        """Attention output; with ``cache = (k, v)`` (``[B, S, Hk, d]``) this call's keys and
+        """Attention output; with ``cache = (k, v)`` (``[B, Hk, S, d]``) this call's keys and
         values are written at slot ``index`` first and ``(output, new cache)`` is returned."""
         c = self.config
         q = apply_rope(self._proj(x, "q", c.num_heads), positions, inv_freq)
-        k = apply_rope(self._proj(x, "k", c.num_kv_heads), positions, inv_freq)
-        v = self._proj(x, "v", c.num_kv_heads)
+        # keys and values head-major, [B, Hk, T, d]: the layout attend() multiplies in
+        k = apply_rope(self._proj(x, "k", c.num_kv_heads), positions, inv_freq).transpose(0, 2, 1, 3)
+        v = self._proj(x, "v", c.num_kv_heads).transpose(0, 2, 1, 3)
         if cache is not None:
-            k = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), index, 1)
-            v = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), index, 1)
+            k = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), index, 2)
+            v = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), index, 2)
         out = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
-        out = out.reshape(*x.shape[:2], -1) @ self.o[...].astype(c.compute_dtype)
+        out = linear(out.reshape(*x.shape[:2], -1), self.o[...], c.compute_dtype)
         return out if cache is None else (out, (k, v))
 
 
 def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """Grouped-query attention: ``q [B, T, Hq, d]``, ``k, v [B, S, Hk, d]``, ``mask [B, T, S]``
-    (True = may attend). Softmax in float32; a row with nothing to attend gives zeros."""
+    """Grouped-query attention: ``q [B, T, Hq, d]``, ``k, v [B, Hk, S, d]``, ``mask [B, T, S]``
+    (True = may attend). Softmax in float32; a row with nothing to attend gives zeros.
+
+    Keys and values are head-major so that both products are batched over ``(B, Hk)`` with no
+    copy of ``k`` or ``v``: in a decode step they are the whole cache, and with the cache
+    ``[B, S, Hk, d]`` XLA:CPU transposed it every step (twice the attention time of the
+    SmolLM2 decode step, docs/benchmarks.md).
+    """
     b, t, hq, d = q.shape
-    hk = k.shape[2]
-    q = q.reshape(b, t, hk, hq // hk, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=_F32) / math.sqrt(d)
+    hk = k.shape[1]
+    q = q.reshape(b, t, hk, hq // hk, d).transpose(0, 2, 3, 1, 4)  # [B, Hk, G, T, d]
+    scores = jnp.einsum("bkgtd,bksd->bkgts", q, k, preferred_element_type=_F32) / math.sqrt(d)
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1)
     weights = jnp.where(mask[:, None, None], weights, 0.0).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, v, preferred_element_type=_F32)
-    return out.reshape(b, t, hq, d).astype(v.dtype)
+    out = jnp.einsum("bkgts,bksd->bkgtd", weights, v, preferred_element_type=_F32)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(v.dtype)
 
 
 class MLP(nnx.Module):
@@ -137,8 +191,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: Array) -> Array:
         dt = self.dtype
-        return (jax.nn.silu(x @ self.gate[...].astype(dt)) * (x @ self.up[...].astype(dt))) \
-            @ self.down[...].astype(dt)
+        return linear(jax.nn.silu(linear(x, self.gate[...], dt)) * linear(x, self.up[...], dt),
+                      self.down[...], dt)
 
 
 class DecoderLayer(nnx.Module):
@@ -225,9 +279,9 @@ class Decoder(nnx.Module):
                           preferred_element_type=_F32)
 
     def init_cache(self, batch: int, length: int, dtype: Any = None) -> list[tuple[Array, Array]]:
-        """An empty key/value cache: per layer ``(k, v)`` of ``[B, length, Hk, d]``."""
+        """An empty key/value cache: per layer ``(k, v)`` of ``[B, Hk, length, d]``."""
         c = self.config
-        shape = (batch, length, c.num_kv_heads, c.head_dim)
+        shape = (batch, c.num_kv_heads, length, c.head_dim)
         dtype = dtype or c.compute_dtype
         return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(c.num_layers)]
 
