@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/grpo-kernels ab --config configs/default.yaml --steps 25 --run-dir runs/demo
 
-# docs/sops/ab_training.md: the 100-step CPU A/B where the head matters (about 20 minutes).
+# docs/sops/ab_training.md: the 100-step CPU A/B where the head matters (about 11 minutes).
 ab-head: $(STAMP)
 	$(BIN)/grpo-kernels ab --config configs/head_ab_cpu.yaml --steps 100 --run-dir runs/head_ab_cpu
 
