@@ -4,7 +4,8 @@ Needs ``torch`` and ``liger-kernel`` (CPU builds are enough); neither is a depen
 grpo-kernels. Both run forward + backward w.r.t. hidden states and head weights on the same
 inputs and loss options (TRL semantics: ``loss_type``, beta with given reference log-probs,
 old log-probs, temperature), in one process; the script checks the two losses agree, then prints
-the median times and ours / theirs.
+the median times and ours / theirs, and each side's time over three of its own library's
+``[N, H] x [H, V]`` matmuls (the least a fused forward and backward can cost).
 
     pip install torch==2.13.0 && pip install --no-deps liger-kernel
     python benchmarks/liger_lm_head_peer.py --batch 2 --time 1024 --hidden 512 --vocab 32768
@@ -100,6 +101,16 @@ def main(argv: list[str] | None = None) -> int:
 
     their_loss = theirs()
     their_ms = median_ms(theirs, args.iters, args.warmup)
+
+    # Each side's matmul floor: one [N, H] x [H, V] product in its own library, same dtype.
+    n = args.batch * args.time
+    xla_mm = jax.jit(lambda h, w: jax.lax.dot_general(
+        h.reshape(n, args.hidden), w, (((1,), (1,)), ((), ())),
+        preferred_element_type=jnp.float32))
+    xla_mm_ms = median_ms(lambda: jax.block_until_ready(xla_mm(inp.hidden, inp.lm_head)),
+                          args.iters, args.warmup)
+    h_2d, w_d = h_t.detach().reshape(n, args.hidden), w_t.detach()
+    torch_mm_ms = median_ms(lambda: h_2d @ w_d.T, args.iters, args.warmup)
     print(f"shape B={args.batch} T={args.time} H={args.hidden} V={args.vocab} {args.dtype}, "
           f"loss_type={args.loss_type} beta={args.beta} temperature={args.temperature}; "
           f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}, "
@@ -108,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
           f"rel diff {abs(our_loss - their_loss) / max(abs(their_loss), 1e-12):.2e}")
     print(f"value_and_grad median ms: ours {our_ms:.1f}  liger {their_ms:.1f}  "
           f"ours/liger {our_ms / their_ms:.3f}")
+    print(f"one [N,H]x[H,V] matmul, median ms: xla {xla_mm_ms:.1f}  torch {torch_mm_ms:.1f}; "
+          f"time / (3 x own matmul): ours {our_ms / (3 * xla_mm_ms):.3f}  "
+          f"liger {their_ms / (3 * torch_mm_ms):.3f}")
     return 0
 
 
