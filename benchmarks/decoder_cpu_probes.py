@@ -1,4 +1,4 @@
-"""Measurements behind the decoder's CPU design notes (docs/benchmarks.md, sampling), in one process.
+"""Measurements behind the decoder's CPU design notes (docs/benchmarks.md, sampling).
 
     python benchmarks/decoder_cpu_probes.py [--only dots,attention,decode,trainer] [--config F]
 
@@ -18,25 +18,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_ms
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-
-
-def timed(fn, *args, iters: int = 20) -> float:
-    """Median milliseconds of ``fn(*args)`` after one warm-up call."""
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(ts)
 
 
 def probe_dots(iters: int) -> None:
@@ -51,12 +41,13 @@ def probe_dots(iters: int) -> None:
             x, g, (((0,), (0,)), ((), ())), preferred_element_type=F32))
         plain_form = jax.jit(lambda xt, g: jnp.matmul(xt, g, preferred_element_type=F32))
         print(f"dots [{rows},576]x[576,1536] bf16 operands: bf16 result "
-              f"{timed(bf_out, x, w, iters=iters):.3f} ms, f32 result rounded to bf16 "
-              f"{timed(f32_out, x, w, iters=iters):.3f} ms", flush=True)
+              f"{median_ms(lambda: bf_out(x, w), iters):.3f} ms, f32 result rounded to bf16 "
+              f"{median_ms(lambda: f32_out(x, w), iters):.3f} ms", flush=True)
         if rows > 16:
+            xt = x.T.copy()
             print(f"dots dW = x^T g [{rows} rows]: contracting the rows of both "
-                  f"{timed(rows_form, x, g, iters=iters):.3f} ms, materialised x^T "
-                  f"{timed(plain_form, x.T.copy(), g, iters=iters):.3f} ms", flush=True)
+                  f"{median_ms(lambda: rows_form(x, g), iters):.3f} ms, materialised x^T "
+                  f"{median_ms(lambda: plain_form(xt, g), iters):.3f} ms", flush=True)
 
 
 def _attend_token_major(q, k, v, mask):
@@ -151,17 +142,9 @@ def probe_trainer(config_path: str, iters: int) -> None:
 
     base = TrainConfig.from_dict(yaml.safe_load(open(config_path)))
 
-    def median_s(fn):
-        fn()
-        ts = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-
     for impl in ("reference", "lm_head_fused"):
-        cfg = base.replace(**{"loss.impl": impl, "train.run_dir": "/tmp/decoder_probe_run"})
+        run_dir = tempfile.mkdtemp(prefix=f"decoder_probe_{impl}_")
+        cfg = base.replace(**{"loss.impl": impl, "train.run_dir": run_dir})
         tr = Trainer(cfg, progress=False)
         tr.rollout(0)
         t0 = time.perf_counter()
@@ -169,7 +152,7 @@ def probe_trainer(config_path: str, iters: int) -> None:
         rollout = time.perf_counter() - t0
         batch = dataclasses.replace(batch, advantages=np.random.default_rng(0).normal(
             size=batch.advantages.shape).astype(batch.advantages.dtype))
-        logps = median_s(lambda: jax.block_until_ready(tr.token_logps(tr.state, batch)))
+        logps = median_ms(lambda: tr.token_logps(tr.state, batch), iters) / 1e3
         state, opt_state = tr.state, tr.opt_state
 
         def update():
@@ -178,7 +161,7 @@ def probe_trainer(config_path: str, iters: int) -> None:
             jax.block_until_ready(tr.state)
 
         print(f"trainer {config_path} {impl}: rollout {rollout:.2f} s, old log-probs "
-              f"{logps:.2f} s, update {median_s(update):.2f} s", flush=True)
+              f"{logps:.2f} s, update {median_ms(update, iters) / 1e3:.2f} s", flush=True)
 
 
 def main() -> None:

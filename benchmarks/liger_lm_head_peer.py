@@ -14,27 +14,15 @@ the median times and ours / theirs, and each side's time over three of its own l
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_ms
 
 from grpo_kernels import GRPOLossConfig, grpo_loss_from_hidden
 from grpo_kernels.ops.lm_head_loss.inputs import random_head_inputs
-
-
-def median_ms(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     step = jax.jit(jax.value_and_grad(ours, argnums=(0, 1)))
     our_loss = float(step(inp.hidden, inp.lm_head)[0])
-    our_ms = median_ms(lambda: jax.block_until_ready(step(inp.hidden, inp.lm_head)),
+    our_ms = median_ms(lambda: step(inp.hidden, inp.lm_head),
                        args.iters, args.warmup)
 
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
@@ -107,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     xla_mm = jax.jit(lambda h, w: jax.lax.dot_general(
         h.reshape(n, args.hidden), w, (((1,), (1,)), ((), ())),
         preferred_element_type=jnp.float32))
-    xla_mm_ms = median_ms(lambda: jax.block_until_ready(xla_mm(inp.hidden, inp.lm_head)),
+    xla_mm_ms = median_ms(lambda: xla_mm(inp.hidden, inp.lm_head),
                           args.iters, args.warmup)
     h_2d, w_d = h_t.detach().reshape(n, args.hidden), w_t.detach()
     torch_mm_ms = median_ms(lambda: h_2d @ w_d.T, args.iters, args.warmup)

@@ -19,12 +19,11 @@ Medians of ``--iters`` calls after one warm-up call, and compiled temp bytes, of
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_ms
 
 from grpo_kernels import GRPOLossConfig, LmHeadBlockSizes, grpo_loss_from_hidden
 from grpo_kernels.ops.lm_head_loss import xla as X
@@ -32,20 +31,11 @@ from grpo_kernels.ops.lm_head_loss import xla as X
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
-def timed(compiled, args, iters):
-    jax.block_until_ready(compiled(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
-
-
 def report(name, fn, args, iters):
     compiled = jax.jit(fn).lower(*args).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
-    print(f"{name:<58} {timed(compiled, args, iters):9.1f} ms  {temp / 2**20:8.1f} MiB",
+    ms = median_ms(lambda: compiled(*args), iters)
+    print(f"{name:<58} {ms:9.1f} ms  {temp / 2**20:8.1f} MiB",
           flush=True)
 
 
