@@ -63,12 +63,13 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
 
 
 def linear(x: Array, w: Array, dtype: Any) -> Array:
-    r"""``x @ w`` with both operands in ``dtype``, accumulated in float32, rounded once to ``dtype``.
+    r"""``x @ w``, operands in ``dtype``, accumulated in float32, rounded once to ``dtype``.
 
     For bfloat16 this is the rounding of a bfloat16-output dot, but XLA:CPU runs a
     float32-output dot of bfloat16 operands on its fast matmul path and a bfloat16-output one on
     a slow path (``[16, 576] x [576, 1536]``: 0.30 ms against 0.73 ms on the development
-    machine, ``benchmarks/decoder_cpu_probes.py --only dots``, docs/benchmarks.md). The gradient is written out for the same reason:
+    machine, ``benchmarks/decoder_cpu_probes.py --only dots``, docs/benchmarks.md). The
+    gradient is written out for the same reason:
 
     .. math::
 
@@ -151,8 +152,8 @@ class Attention(nnx.Module):
         c = self.config
         q = apply_rope(self._proj(x, "q", c.num_heads), positions, inv_freq)
         # keys and values head-major, [B, Hk, T, d]: the layout attend() multiplies in
-        k = apply_rope(self._proj(x, "k", c.num_kv_heads), positions, inv_freq).transpose(0, 2, 1, 3)
-        v = self._proj(x, "v", c.num_kv_heads).transpose(0, 2, 1, 3)
+        k = apply_rope(self._proj(x, "k", c.num_kv_heads), positions, inv_freq)
+        k, v = k.transpose(0, 2, 1, 3), self._proj(x, "v", c.num_kv_heads).transpose(0, 2, 1, 3)
         if cache is not None:
             k = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), index, 2)
             v = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), index, 2)
