@@ -7,8 +7,8 @@ Medians of ``--iters`` calls after one warm-up call, and compiled temp bytes, of
 - ``dw``: the two forms of one chunk's ``dW`` product, ``delta^T h`` (layout ``"vh"``'s natural
   form, contracting the rows of both operands) against ``h^T delta`` with ``h^T`` materialised
   (the plain form), one bf16 ``[1024, 49152]`` chunk, H = 576;
-- ``blocks``: value_and_grad of the fused op at the benchmark shape (N = 2048, H = 512,
-  V = 32768, bf16, 128-row chunks) for several ``dW`` block widths;
+- ``blocks``: the gradient of the fused op at the benchmark shape (N = 2048, H = 512,
+  V = 32768, bf16, planned chunks) for several heights of the ``dW`` update blocks;
 - ``trainer``: value_and_grad at the trainer's shape (N = 1024, H = 576, V = 49152, bf16
   operands, ``logits_dtype=float32``, layout ``"vh"``, beta 0.04) for several chunk sizes,
   against one ``[N, H] x [H, V]`` matmul;
@@ -76,15 +76,15 @@ def probe_dw(iters):
 
 def probe_blocks(iters):
     h, w, ids, mask, adv, logps = inputs(2, 1024, 512, 32768, "hv")
-    f = loss_fn(ids, mask, adv, logps, GRPOLossConfig(), "hv", 128)
-    default = X.DWEIGHT_BLOCK
+    f = loss_fn(ids, mask, adv, logps, GRPOLossConfig(), "hv", None)
+    default = X.DWEIGHT_ELEMENTS
     try:
-        for block in (1024, 2048, 4096, 8192, 16384, 32768):
-            X.DWEIGHT_BLOCK = block
-            report(f"benchmark shape, bf16, 128 rows, dW block {block}",
+        for rows in (32, 64, 128, 256, 512):
+            X.DWEIGHT_ELEMENTS = rows * 32768
+            report(f"benchmark shape, bf16, planned chunks, dW blocks of {rows} rows",
                    jax.grad(f, argnums=(0, 1)), (h, w), iters)
     finally:
-        X.DWEIGHT_BLOCK = default
+        X.DWEIGHT_ELEMENTS = default
 
 
 def probe_trainer(iters):

@@ -63,9 +63,9 @@ def _xla_kernels(hidden: Array, w: Array, *, layout: str, logits_dtype: Any, voc
     # so each gets half of the one-pass budget.
     rows = xla_head.plan_chunk(n, 2 * vocab, jnp.dtype(logits_dtype).itemsize,
                                blocks or xla_head.LmHeadBlockSizes(), jax.default_backend())
-    # The dW update blocks shrink with the shard too (their product is a float32 buffer).
-    v_local = w.shape[1] if layout == "hv" else w.shape[0]
-    dweight_block = max(128, xla_head.DWEIGHT_BLOCK * v_local // vocab)
+    # dW update blocks of as many rows as the whole head's: the float32 product [rows, V_local]
+    # shrinks with the shard.
+    dw_rows = xla_head.dweight_rows(hdim, vocab)
 
     def parts(primals):
         hidden, w, bias = primals
@@ -83,7 +83,7 @@ def _xla_kernels(hidden: Array, w: Array, *, layout: str, logits_dtype: Any, voc
         _, (dh, dw, db) = xla_head.head_sweep(
             h, hit_ids.reshape(n), head, tau, rows,
             lambda start, size, _: jax.lax.dynamic_slice_in_dim(g, start, size),
-            dweight_block=dweight_block, lse=lse.reshape(n), reduce_dh=spec.vocab_sum)
+            dw_rows=dw_rows, lse=lse.reshape(n), reduce_dh=spec.vocab_sum)
         return _cast_grads(primals, dh, dw, db)
 
     return stats, grad

@@ -17,7 +17,8 @@ loop over chunks of ``c`` rows does, per chunk, in float32 arithmetic:
     \partial L/\partial W \mathrel{+}= h^\top \delta, \qquad
     \partial L/\partial b \mathrel{+}= \textstyle\sum_n \delta_n
 
-with ``dW`` and ``db`` accumulated in float32 and cast to the weight dtype once, after the loop.
+with ``dW`` and ``db`` accumulated in float32 and cast to the weight dtype once, after the loop
+(``dW`` in blocks of its rows, :func:`_accumulate_dweight`).
 That is three matmuls of the size of the logits, the least a gradient of ``h W`` can cost. The
 loop runs in the ``custom_vjp`` forward; the backward only multiplies by the loss cotangent. The
 primal alone (no gradient) is one matmul per chunk and the statistics.
@@ -48,7 +49,7 @@ from grpo_kernels.objective import (
     token_separable,
     token_weights,
 )
-from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, sweep
+from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, merge_stats, sweep
 from grpo_kernels.ops.logits_loss.xla import cast_to, zero_cotangent
 
 Array = jax.Array
@@ -78,25 +79,25 @@ class LmHeadBlockSizes:
                     f"LmHeadBlockSizes.{name} must be None or an int >= 1, got {value!r}")
 
 
-# Byte budget of one chunk's [c, V] arrays. CPU: measured on the 2-core development machine
-# (docs/lm_head.md); accelerators want large matmuls.
-_DEFAULT_CHUNK_BYTES = {"cpu": 16 << 20, "gpu": 1 << 30, "tpu": 1 << 30}
+# Byte budget of one chunk's [c, V] float32 logits. CPU: measured on the 2-core development
+# machine (docs/lm_head.md); accelerators want large matmuls.
+_DEFAULT_CHUNK_BYTES = {"cpu": 32 << 20, "gpu": 1 << 30, "tpu": 1 << 30}
 
 
 def plan_chunk(n_rows: int, vocab: int, logits_itemsize: int, blocks: LmHeadBlockSizes,
                backend: str) -> int:
     """Rows per chunk: the byte budget over a row's float32 logits, a multiple of 8.
 
-    A row costs ``4 V`` bytes of float32 logits (plus a narrower copy and the gradient); the
-    ``[c, H]`` buffers are small beside them and do not enter. With float32 logits the float32
-    ``dW`` accumulator is the output itself, so the default budget doubles (on the development
-    CPU, 256 rows at ``V = 32768`` beat 128 by 15% for float32; for bfloat16 the accumulator
-    is extra and 128 rows keep the temporaries near a tenth of the reference's, docs/lm_head.md).
+    A row costs ``4 V`` bytes of float32 logits (plus its narrower gradient); the ``[c, H]``
+    buffers are small beside them and do not enter. On the development CPU the default
+    (256 rows at ``V = 32768``) is about 1.2x faster than 128 rows and keeps the temporaries
+    under a tenth of the reference's for bfloat16 and float32 alike (docs/lm_head.md).
+    ``logits_itemsize`` is kept for callers; every logits dtype is planned as float32.
     """
+    del logits_itemsize
     if blocks.chunk_tokens is not None:
         return min(blocks.chunk_tokens, n_rows)
-    budget = blocks.chunk_bytes or (_DEFAULT_CHUNK_BYTES.get(backend, 256 << 20)
-                                    * (2 if logits_itemsize >= 4 else 1))
+    budget = blocks.chunk_bytes or _DEFAULT_CHUNK_BYTES.get(backend, 256 << 20)
     rows = max(8, budget // (4 * vocab) // 8 * 8)
     return min(rows, n_rows)
 
@@ -127,6 +128,32 @@ def matmul(a: Array, b: Array, dims: Any) -> Array:
                                preferred_element_type=_F32)
 
 
+# Veltkamp's splitting constant for float32 -> bfloat16: 2^(24 - 8) + 1.
+_SPLIT = 65537.0
+# Beyond this magnitude _SPLIT * x could overflow float32 (at 2^111); such values pass unrounded.
+_SPLIT_LIMIT = 2.0 ** 100
+
+
+def round_to_bfloat16(x: Array) -> Array:
+    r"""float32 ``x`` rounded to the nearest bfloat16 (ties to even), kept in float32.
+
+    Veltkamp's splitting: with :math:`C = 2^{16} + 1` and float32 arithmetic,
+
+    .. math:: c = C x, \qquad \mathrm{hi} = c - (c - x)
+
+    is ``x`` rounded to :math:`24 - 16 = 8` significant bits, bfloat16's precision. Three float
+    operations, which XLA:CPU fuses into the consumers (the softmax reductions read the matmul
+    output directly); the integer form of :func:`grpo_kernels.ops.logits_loss.xla.to_bfloat16`
+    is not fused there, and its float32 result was materialised as a whole ``[c, V]`` copy.
+    Equal to ``x.astype(bfloat16).astype(float32)`` for every normal float32 ``|x| < 2^100``
+    (tested over random values, every tie and its neighbours; XLA:CPU flushes subnormals to
+    zero); infinities, NaN and ``|x| >= 2^100`` pass unchanged (no logit is that large). A
+    compiler that reassociated float arithmetic would drop the rounding, not corrupt the value.
+    """
+    c = x * jnp.float32(_SPLIT)
+    return jnp.where(jnp.abs(x) < jnp.float32(_SPLIT_LIMIT), c - (c - x), x)
+
+
 @dataclasses.dataclass(frozen=True)
 class Head:
     """The LM head: weights in one of two layouts, an optional bias, the logits dtype."""
@@ -141,17 +168,51 @@ class Head:
         return self.w.shape[1] if self.layout == "hv" else self.w.shape[0]
 
     def logits(self, h: Array) -> Array:
-        """``cast(h W + b)`` for rows ``h [c, H]``: float32 accumulation, one rounding."""
+        """``cast(h W + b)`` for rows ``h [c, H]``: float32 accumulation, one rounding.
+
+        bfloat16 logits on CPU come back as float32 arrays holding the rounded values
+        (:func:`round_to_bfloat16`), which XLA:CPU fuses into the softmax reductions.
+        """
         k = 0 if self.layout == "hv" else 1
         z = matmul(h, self.w, ((1,), (k,)))
         if self.bias is not None:
             z = z + self.bias.astype(_F32)[None, :]
-        return z if jnp.dtype(self.logits_dtype) == _F32 else cast_to(z, self.logits_dtype)
+        dtype = jnp.dtype(self.logits_dtype)
+        if dtype == _F32:
+            return z
+        if dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+            return round_to_bfloat16(z)
+        return cast_to(z, dtype)
 
     def dhidden(self, delta: Array) -> Array:
         """``delta W^T`` for ``delta [c, V]``: ``[c, H]`` float32."""
         k = 1 if self.layout == "hv" else 0
         return matmul(delta, self.w, ((1,), (k,)))
+
+
+# Vocabulary columns per block of a chunk's softmax statistics, by backend (absent: whole rows).
+STATS_BLOCK = {"cpu": 4096}
+
+
+def chunk_stats(s: Array, block: int | None) -> tuple[Array, Array, Array]:
+    """``(m, S, Q)`` of each row of ``s [c, V]`` (:func:`block_stats`), over vocabulary blocks
+    of ``block`` columns merged online (:func:`merge_stats`); ``None``: whole rows at once.
+
+    On CPU the entropy's two sums over a whole row made XLA materialise ``exp(s - m)`` and
+    ``exp(s - m) (s - m)`` as two float32 ``[c, V]`` arrays; over 4096-column blocks those are
+    small, and a 256-row chunk at ``V = 32768`` keeps its temporaries 16 MiB lower and ran as
+    fast (docs/lm_head.md).
+    """
+    rows, vocab = s.shape
+    if block is None or vocab <= block:
+        return block_stats(s)
+
+    def body(col, width, acc):
+        return merge_stats(acc, block_stats(jax.lax.dynamic_slice_in_dim(s, col, width, axis=1)))
+
+    init = (jnp.full((rows,), -jnp.inf, _F32), jnp.zeros((rows,), _F32),
+            jnp.zeros((rows,), _F32))
+    return sweep(vocab, block, body, init, like=(s,))
 
 
 def _rows(x: Array | None, start: Any, size: int) -> Array | None:
@@ -174,35 +235,43 @@ def _slice_rows(x: Array, start: Any, size: int, axis: int = 0) -> Array:
 
 GradFn = Callable[[Any, int, Array], Array]
 
-# Vocabulary columns per dW update: the update's float32 product is [H, DWEIGHT_BLOCK].
-DWEIGHT_BLOCK = 8192
+# float32 elements of one dW update product [rows, V] (16 MiB; docs/lm_head.md).
+DWEIGHT_ELEMENTS = 1 << 22
 
 
-def _accumulate_dweight(dw: Array, hc_t: Array, delta: Array, block: int) -> Array:
-    """``dw += h^T delta`` over vocabulary blocks of ``block`` columns, in place.
+def dweight_rows(hidden: int, vocab: int) -> int:
+    """Rows of ``dW [H, V]`` per update: :data:`DWEIGHT_ELEMENTS` over ``V``, a multiple of 8,
+    at most ``H``. A vocabulary shard passes the global ``V`` (its product shrinks with it)."""
+    return min(hidden, max(8, DWEIGHT_ELEMENTS // vocab // 8 * 8))
+
+
+def _accumulate_dweight(dw: Array, hc_t: Array, delta: Array, rows: int) -> Array:
+    """``dw += h^T delta`` over blocks of ``rows`` rows of ``dw``, in place.
 
     ``dw`` is ``[H, V]`` whatever the head's layout: ``hc_t`` (the chunk's ``h^T``,
-    materialised: ``[H, c]``) times a ``[c, block]`` slice of ``delta`` is the plain
-    ``[M, K] x [K, N]`` form that XLA:CPU hands to its fast matmul library. The ``"vh"`` form
-    ``delta^T h`` contracts the rows of both operands and ran 2-3x slower there
-    (docs/lm_head.md); its ``[V, H]`` result is one transpose of the accumulator at the end.
-    Blocking keeps the matmul output small (a full ``[H, V]`` product would be a second
-    accumulator-sized buffer). Transposing per chunk rather than all of ``h`` once keeps an
-    ``[H, N]`` copy out of the temporaries at no measured cost.
+    materialised: ``[H, c]``) is sliced into ``[rows, c]`` blocks, each times the whole
+    ``delta [c, V]``, the plain ``[M, K] x [K, N]`` form that XLA:CPU hands to its fast matmul
+    library. Blocking keeps the float32 product small (a whole ``[H, V]`` product per chunk
+    would be a second accumulator-sized buffer), and blocking over rows rather than vocabulary
+    columns leaves ``delta`` unsliced: XLA:CPU slices 16-bit floats only through an integer
+    view, and ``delta`` in two types was computed twice, with ``exp`` materialised in float32
+    between (docs/lm_head.md). The ``"vh"`` form ``delta^T h`` contracts the rows of both
+    operands and ran 2-3x slower there; its ``[V, H]`` result is one transpose of the
+    accumulator at the end.
     """
-    bits = _as_bits(delta)
+    bits = _as_bits(hc_t)
 
-    def body(col, width, acc):
-        blk = _from_bits(jax.lax.dynamic_slice_in_dim(bits, col, width, axis=1), delta.dtype)
-        upd = matmul(hc_t, blk, ((1,), (0,)))
-        old = jax.lax.dynamic_slice(acc, (0, col), upd.shape)
-        return jax.lax.dynamic_update_slice(acc, old + upd, (0, col))
+    def body(row, height, acc):
+        h_rows = _from_bits(jax.lax.dynamic_slice_in_dim(bits, row, height), hc_t.dtype)
+        upd = matmul(h_rows, delta, ((1,), (0,)))
+        old = jax.lax.dynamic_slice(acc, (row, 0), upd.shape)
+        return jax.lax.dynamic_update_slice(acc, old + upd, (row, 0))
 
-    return sweep(dw.shape[1], min(block, dw.shape[1]), body, dw, like=(hc_t, delta))
+    return sweep(dw.shape[0], min(rows, dw.shape[0]), body, dw, like=(hc_t, delta))
 
 
 def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
-               grad_fn: GradFn | None, dweight_block: int | None = None,
+               grad_fn: GradFn | None, dw_rows: int | None = None,
                lse: Array | None = None,
                reduce_dh: Callable[[Array], Array] | None = None,
                ) -> tuple[tuple[Array, Array, Array], Any]:
@@ -218,7 +287,7 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
       rows: Rows per chunk.
       grad_fn: ``None`` for statistics only; else ``grad_fn(start, size, logp_chunk)`` returns
         the chunk's ``g = dL/dlogp`` and the pass also forms the gradients.
-      dweight_block: Vocabulary columns per ``dW`` update (default :data:`DWEIGHT_BLOCK`).
+      dw_rows: Rows of ``dW`` per update (default :func:`dweight_rows` of this head).
       lse: ``[N]`` logsumexp to use in the gradient instead of the one of these columns (the
         whole-row value when the head is a vocabulary shard); ``None``: this pass's own.
       reduce_dh: Applied to each chunk's float32 ``dh`` before it is stored: the ``psum`` over
@@ -231,7 +300,8 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
     """
     n, hidden = h.shape
     vocab = head.vocab
-    dweight_block = dweight_block or DWEIGHT_BLOCK
+    dw_rows = dw_rows or dweight_rows(hidden, vocab)
+    stats_block = STATS_BLOCK.get(jax.default_backend())
 
     def chunk(start, size, carry):
         stats, grads = carry
@@ -242,7 +312,7 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
             z = jax.lax.optimization_barrier(z)
         s = z.astype(_F32) / temperature
         chosen = jnp.take_along_axis(s, jnp.clip(idc, 0, vocab - 1)[:, None], axis=1)[:, 0]
-        logp, lse_c, ent = finish(*block_stats(s), chosen)
+        logp, lse_c, ent = finish(*chunk_stats(s, stats_block), chosen)
         stats = tuple(jax.lax.dynamic_update_slice_in_dim(o, x, start, 0)
                       for o, x in zip(stats, (logp, lse_c, ent), strict=True))
         if grads is None:
@@ -257,7 +327,7 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
         dhc = head.dhidden(delta)
         dhc = _as_bits((dhc if reduce_dh is None else reduce_dh(dhc)).astype(h.dtype))
         dh_bits = jax.lax.dynamic_update_slice_in_dim(dh_bits, dhc, start, 0)
-        dw = _accumulate_dweight(dw, jax.lax.optimization_barrier(hc.T), delta, dweight_block)
+        dw = _accumulate_dweight(dw, jax.lax.optimization_barrier(hc.T), delta, dw_rows)
         if db is not None:
             db = db + jnp.sum(delta.astype(_F32), axis=0)
         return stats, (dh_bits, dw, db)
