@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	touch $@
 
 # A short GRPO A/B on the embedded default (SmolLM2-135M on generated arithmetic problems):
-# reference loss vs fused LM-head loss, 25 steps each (about 7 minutes on 2 cores). Prints the
+# reference loss vs fused LM-head loss, 20 steps each (about 8.5 minutes on 2 cores). Prints the
 # report and the path of the PNG of the curves.
 demo: $(STAMP)
-	$(BIN)/grpo-kernels ab --config configs/default.yaml --steps 25 --run-dir runs/demo
+	$(BIN)/grpo-kernels ab --config configs/default.yaml --steps 20 --run-dir runs/demo
 
 # docs/sops/ab_training.md: the 100-step CPU A/B where the head matters (about 11 minutes).
 ab-head: $(STAMP)

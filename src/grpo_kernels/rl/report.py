@@ -2,7 +2,8 @@
 
 Markdown with step 1 (identical rollouts, so loss and grad norm must agree within the bfloat16
 loss tolerances of ``grpo-kernels gradcheck``), the last-10-step means and their ratios to the
-first (baseline) run, and a PNG of reward, loss, step time and memory per step.
+first (baseline) run, each run's reward trend, and a PNG of reward, loss, step time and memory
+per step.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ PLOTS = (("reward/mean", "mean reward"), ("loss", "loss"),
 
 SMOOTHED = ("reward/mean", "loss")
 SMOOTH = 5
+EDGE = 5  # steps averaged at each end of a run for the reward trend
 
 
 def running_mean(values: np.ndarray, window: int) -> np.ndarray:
@@ -40,6 +42,37 @@ def _last_mean(records: Sequence[dict[str, Any]], key: str) -> float:
 def _sem(records: Sequence[dict[str, Any]], key: str) -> float:
     values = np.array([r[key] for r in records[-LAST:] if key in r], np.float64)
     return float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else 0.0
+
+
+def reward_trend(rewards: Sequence[float]) -> dict[str, float | bool]:
+    r"""Does the mean reward rise over a run? The least-squares line through the step means.
+
+    With steps :math:`s_i` and rewards :math:`r_i`, the slope is
+    :math:`\hat b = \sum (s_i - \bar s)(r_i - \bar r) / \sum (s_i - \bar s)^2` and its
+    standard error :math:`\sqrt{\sum e_i^2 / (n - 2) / \sum (s_i - \bar s)^2}` with the
+    residuals :math:`e_i`. The reward "rises" when :math:`\hat b > 2\,\mathrm{SE}`.
+
+    The standard error treats the step means as independent around the line. In a GRPO run they
+    are not quite: a policy that happens to improve early stays ahead for a few steps, so the
+    check is optimistic; read it with the curve.
+
+    Returns:
+      ``first`` / ``last``: means of the first and last :data:`EDGE` steps; ``slope`` and
+      ``slope_se`` per step (NaN below 3 steps); ``rises``.
+    """
+    r = np.asarray(rewards, np.float64)
+    out: dict[str, float | bool] = {"first": float(r[:EDGE].mean()),
+                                    "last": float(r[-EDGE:].mean()),
+                                    "slope": float("nan"), "slope_se": float("nan"),
+                                    "rises": False}
+    if len(r) >= 3:
+        s = np.arange(1, len(r) + 1, dtype=np.float64)
+        sc = s - s.mean()
+        slope = float(sc @ (r - r.mean()) / (sc @ sc))
+        resid = r - r.mean() - slope * sc
+        se = float(math.sqrt(resid @ resid / (len(r) - 2) / (sc @ sc)))
+        out.update(slope=slope, slope_se=se, rises=bool(slope > 2 * se))
+    return out
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -63,6 +96,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "update_last10_s": _last_mean(records, "time/train/update_s"),
             "peak_bytes": max(r["memory/peak_bytes"] for r in records),
             "peak_rss_bytes": max(r["memory/peak_rss_bytes"] for r in records),
+            "reward_trend": reward_trend([r["reward/mean"] for r in records]),
         }
     b = out["runs"][base]
     for name in names[1:]:
@@ -107,6 +141,14 @@ def markdown(summary: dict[str, Any], title: str, png: str | None) -> str:
             ("process peak RSS", "peak_rss_bytes", _mib)]
     for label, key, fmt in rows:
         lines.append(f"| {label} | " + " | ".join(fmt(r[key]) for r in runs.values()) + " |")
+    trend_rows = [(f"mean reward, first {EDGE} steps", lambda t: f"{t['first']:.3f}"),
+                  (f"mean reward, last {EDGE} steps", lambda t: f"{t['last']:.3f}"),
+                  ("reward slope per step (2 SE)",
+                   lambda t: f"{t['slope']:+.4f} ({2 * t['slope_se']:.4f})"),
+                  ("reward rises (slope > 2 SE)", lambda t: "yes" if t["rises"] else "no")]
+    for label, fmt in trend_rows:
+        lines.append(f"| {label} | "
+                     + " | ".join(fmt(r["reward_trend"]) for r in runs.values()) + " |")
     lines.append("")
     for name, r in list(runs.items())[1:]:
         lines += [f"## {name} vs {base}", "",
@@ -125,7 +167,10 @@ def markdown(summary: dict[str, Any], title: str, png: str | None) -> str:
                   f"(2 standard errors: {r['reward_noise_2se']:.3f}): "
                   f"{'within noise' if r['reward_within_noise'] else 'outside noise'}", ""]
     lines.append("Peak memory is the device's peak_bytes_in_use where the backend reports it, "
-                 "else the update step's compiled temp bytes (XLA's plan).")
+                 "else the update step's compiled temp bytes (XLA's plan). The reward slope is "
+                 "the least-squares line through the per-step means; its standard error "
+                 "treats them as independent, which consecutive GRPO steps are not quite, so "
+                 "read it with the curve.")
     if png:
         lines += ["", f"![A/B curves]({os.path.basename(png)})"]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,66 @@
+"""The A/B report's numbers: step-1 gates, ratios, and the reward trend of each run."""
+
+import math
+
+import numpy as np
+import pytest
+
+from grpo_kernels.rl import report
+
+
+def _records(rewards, step_s=2.0, peak=100 << 20, loss0=0.5, grad0=1.0):
+    return [{"step": i + 1, "loss": loss0 if i == 0 else 0.1, "grad_norm": grad0 if i == 0 else 1.0,
+             "reward/mean": float(r), "time/train/step_avg_last10_s": step_s,
+             "time/train/update_s": step_s / 2, "memory/peak_bytes": peak,
+             "memory/peak_rss_bytes": 2 * peak} for i, r in enumerate(rewards)]
+
+
+def test_reward_trend_matches_the_matrix_form_of_least_squares():
+    rng = np.random.default_rng(3)
+    r = 0.2 + 0.01 * np.arange(1, 21) + rng.normal(0, 0.1, 20)
+    t = report.reward_trend(r)
+    x = np.stack([np.ones(20), np.arange(1, 21.0)], axis=1)
+    beta, *_ = np.linalg.lstsq(x, r, rcond=None)
+    resid = r - x @ beta
+    cov = np.linalg.inv(x.T @ x) * (resid @ resid) / (20 - 2)
+    assert t["slope"] == pytest.approx(beta[1], rel=1e-12)
+    assert t["slope_se"] == pytest.approx(math.sqrt(cov[1, 1]), rel=1e-10)
+    assert t["first"] == pytest.approx(r[:5].mean()) and t["last"] == pytest.approx(r[-5:].mean())
+    assert t["rises"] == (beta[1] > 2 * math.sqrt(cov[1, 1]))
+
+
+@pytest.mark.parametrize("slope, rises", [(0.03, True), (0.0, False), (-0.03, False)])
+def test_reward_trend_verdict(slope, rises):
+    rng = np.random.default_rng(0)
+    r = 0.3 + slope * np.arange(20) + rng.normal(0, 0.05, 20)
+    assert report.reward_trend(r)["rises"] is rises
+
+
+def test_reward_trend_of_a_short_run_has_no_slope():
+    t = report.reward_trend([0.1, 0.9])
+    assert math.isnan(t["slope"]) and t["rises"] is False
+    assert t["first"] == pytest.approx(0.5) and t["last"] == pytest.approx(0.5)
+
+
+def test_summarize_and_markdown():
+    rng = np.random.default_rng(1)
+    base = _records(0.2 + 0.03 * np.arange(12) + rng.normal(0, 0.02, 12))
+    kernel = _records(0.5 + 0.02 * (-1.0) ** np.arange(12), step_s=1.5, peak=40 << 20,
+                      loss0=0.5 + 2e-5, grad0=1.005)
+    s = report.summarize({"reference": base, "fused": kernel})
+    f = s["runs"]["fused"]
+    assert f["step_time_ratio"] == pytest.approx(0.75)
+    assert f["peak_memory_ratio"] == pytest.approx(0.4)
+    assert f["step1_loss_ok"] and f["step1_grad_norm_ok"]
+    assert s["runs"]["reference"]["reward_trend"]["rises"] is True
+    assert f["reward_trend"]["rises"] is False
+    text = report.markdown(s, "t", None)
+    assert "| reward rises (slope > 2 SE) | yes | no |" in text
+    assert "| mean reward, first 5 steps |" in text
+
+
+def test_step1_gates_fail_on_a_large_difference():
+    base = _records([0.1, 0.2, 0.3])
+    other = _records([0.1, 0.2, 0.3], loss0=0.6, grad0=1.5)
+    f = report.summarize({"a": base, "b": other})["runs"]["b"]
+    assert not f["step1_loss_ok"] and not f["step1_grad_norm_ok"]
