@@ -138,17 +138,15 @@ def markdown(summary: dict[str, Any], title: str, png: str | None) -> str:
             ("step_avg_last10_s", "step_avg_last10_s", lambda v: f"{v:.3f}"),
             ("last-10 mean update_s", "update_last10_s", lambda v: f"{v:.3f}"),
             ("peak memory (update)", "peak_bytes", _mib),
-            ("process peak RSS", "peak_rss_bytes", _mib)]
+            ("process peak RSS", "peak_rss_bytes", _mib),
+            (f"mean reward, first {EDGE} steps", "reward_trend", lambda t: f"{t['first']:.3f}"),
+            (f"mean reward, last {EDGE} steps", "reward_trend", lambda t: f"{t['last']:.3f}"),
+            ("reward slope per step (2 SE)", "reward_trend",
+             lambda t: f"{t['slope']:+.4f} ({2 * t['slope_se']:.4f})"),
+            ("reward rises (slope > 2 SE)", "reward_trend",
+             lambda t: "yes" if t["rises"] else "no")]
     for label, key, fmt in rows:
         lines.append(f"| {label} | " + " | ".join(fmt(r[key]) for r in runs.values()) + " |")
-    trend_rows = [(f"mean reward, first {EDGE} steps", lambda t: f"{t['first']:.3f}"),
-                  (f"mean reward, last {EDGE} steps", lambda t: f"{t['last']:.3f}"),
-                  ("reward slope per step (2 SE)",
-                   lambda t: f"{t['slope']:+.4f} ({2 * t['slope_se']:.4f})"),
-                  ("reward rises (slope > 2 SE)", lambda t: "yes" if t["rises"] else "no")]
-    for label, fmt in trend_rows:
-        lines.append(f"| {label} | "
-                     + " | ".join(fmt(r["reward_trend"]) for r in runs.values()) + " |")
     lines.append("")
     for name, r in list(runs.items())[1:]:
         lines += [f"## {name} vs {base}", "",

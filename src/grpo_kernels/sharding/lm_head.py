@@ -61,8 +61,8 @@ def _xla_kernels(hidden: Array, w: Array, *, layout: str, logits_dtype: Any, voc
     # Planned as for the whole vocabulary, twice: the statistics and the gradient are separate
     # passes here (the gradient needs the global lse), and XLA keeps both passes' chunk buffers,
     # so each gets half of the one-pass budget.
-    rows = xla_head.plan_chunk(n, 2 * vocab, jnp.dtype(logits_dtype).itemsize,
-                               blocks or xla_head.LmHeadBlockSizes(), jax.default_backend())
+    rows = xla_head.plan_chunk(n, 2 * vocab, blocks or xla_head.LmHeadBlockSizes(),
+                               jax.default_backend())
     # dW update blocks of as many rows as the whole head's: the float32 product [rows, V_local]
     # shrinks with the shard.
     dw_rows = xla_head.dweight_rows(hdim, vocab)

@@ -177,19 +177,22 @@ def test_value_without_gradient_matches():
     np.testing.assert_allclose(values[1:], [values[0]] * 2, rtol=1e-5)
 
 
-def _temp_bytes(impl, n_tokens, vocab=4096, hidden=256):
-    cfg = GRPOLossConfig(beta=0.04)
+def _temp_bytes(impl, n_tokens, vocab=4096, hidden=256, dtype=jnp.float32, beta=0.04,
+                chunk_tokens=128):
+    """Compiled temp bytes of value_and_grad with the metrics kept; ``chunk_tokens=None``: the
+    xla op plans its own chunks."""
+    cfg = GRPOLossConfig(beta=beta)
     spec = jax.ShapeDtypeStruct
     b, t = 2, n_tokens // 2
-    args = (spec((b, t, hidden), jnp.float32), spec((hidden, vocab), jnp.float32))
+    args = (spec((b, t, hidden), dtype), spec((hidden, vocab), dtype))
     ids, mask = jnp.zeros((b, t), jnp.int32), jnp.ones((b, t))
     old, adv = jnp.zeros((b, t)), jnp.ones((b,))
+    blocks = LmHeadBlockSizes(chunk_tokens=chunk_tokens) if impl == "xla" else None
 
     def f(h, w):
         return grpo_loss_from_hidden(h, w, ids, mask, adv, config=cfg, impl=impl,
-                                     old_logps=old, ref_logps=old,
-                                     block_sizes=LmHeadBlockSizes(chunk_tokens=128)
-                                     if impl == "xla" else None)
+                                     old_logps=old, ref_logps=old if beta else None,
+                                     block_sizes=blocks)
 
     step = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
     return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
@@ -207,20 +210,8 @@ def test_temp_memory_is_independent_of_tokens():
 def test_bf16_temps_at_the_benchmark_shape():
     """Issue 4's memory gate where its benchmark runs (N = 2048, H = 512, V = 32768, bf16,
     planned chunks, metrics kept): temporaries <= 0.10 x the reference's. Compile-only."""
-    spec = jax.ShapeDtypeStruct
-    b, t, h, v = 2, 1024, 512, 32768
-    args = (spec((b, t, h), jnp.bfloat16), spec((h, v), jnp.bfloat16))
-    ids, mask = jnp.zeros((b, t), jnp.int32), jnp.ones((b, t))
-    old, adv = jnp.zeros((b, t)), jnp.ones((b,))
-
-    def temp(impl):
-        def f(hh, ww):
-            return grpo_loss_from_hidden(hh, ww, ids, mask, adv, config=GRPOLossConfig(),
-                                         impl=impl, old_logps=old)
-        step = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
-        return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
-
-    fused, ref = temp("xla"), temp("reference")
+    fused, ref = (_temp_bytes(impl, 2048, vocab=32768, hidden=512, dtype=jnp.bfloat16, beta=0.0,
+                              chunk_tokens=None) for impl in ("xla", "reference"))
     assert fused <= 0.10 * ref, (fused, ref, fused / ref)
 
 
@@ -265,10 +256,9 @@ def test_chunk_stats_blocks_match_whole_rows(block):
 
 
 def test_plan_chunk():
-    assert plan_chunk(4096, 32768, 2, LmHeadBlockSizes(), "cpu") == 256
-    assert plan_chunk(4096, 32768, 4, LmHeadBlockSizes(), "cpu") == 256
-    assert plan_chunk(100, 32768, 2, LmHeadBlockSizes(chunk_tokens=300), "cpu") == 100
-    assert plan_chunk(10**6, 10**7, 2, LmHeadBlockSizes(), "cpu") == 8
+    assert plan_chunk(4096, 32768, LmHeadBlockSizes(), "cpu") == 256
+    assert plan_chunk(100, 32768, LmHeadBlockSizes(chunk_tokens=300), "cpu") == 100
+    assert plan_chunk(10**6, 10**7, LmHeadBlockSizes(), "cpu") == 8
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -84,17 +84,14 @@ class LmHeadBlockSizes:
 _DEFAULT_CHUNK_BYTES = {"cpu": 32 << 20, "gpu": 1 << 30, "tpu": 1 << 30}
 
 
-def plan_chunk(n_rows: int, vocab: int, logits_itemsize: int, blocks: LmHeadBlockSizes,
-               backend: str) -> int:
+def plan_chunk(n_rows: int, vocab: int, blocks: LmHeadBlockSizes, backend: str) -> int:
     """Rows per chunk: the byte budget over a row's float32 logits, a multiple of 8.
 
     A row costs ``4 V`` bytes of float32 logits (plus its narrower gradient); the ``[c, H]``
     buffers are small beside them and do not enter. On the development CPU the default
     (256 rows at ``V = 32768``) is about 1.2x faster than 128 rows and keeps the temporaries
     under a tenth of the reference's for bfloat16 and float32 alike (docs/lm_head.md).
-    ``logits_itemsize`` is kept for callers; every logits dtype is planned as float32.
     """
-    del logits_itemsize
     if blocks.chunk_tokens is not None:
         return min(blocks.chunk_tokens, n_rows)
     budget = blocks.chunk_bytes or _DEFAULT_CHUNK_BYTES.get(backend, 256 << 20)
@@ -259,11 +256,8 @@ def _accumulate_dweight(dw: Array, hc_t: Array, delta: Array, rows: int) -> Arra
     operands and ran 2-3x slower there; its ``[V, H]`` result is one transpose of the
     accumulator at the end.
     """
-    bits = _as_bits(hc_t)
-
     def body(row, height, acc):
-        h_rows = _from_bits(jax.lax.dynamic_slice_in_dim(bits, row, height), hc_t.dtype)
-        upd = matmul(h_rows, delta, ((1,), (0,)))
+        upd = matmul(_slice_rows(hc_t, row, height), delta, ((1,), (0,)))
         old = jax.lax.dynamic_slice(acc, (row, 0), upd.shape)
         return jax.lax.dynamic_update_slice(acc, old + upd, (row, 0))
 
@@ -411,8 +405,7 @@ def xla_lm_head_loss(
     b, t, _ = hidden.shape
     logits_dtype = jnp.dtype(logits_dtype or common_dtype(hidden.dtype, lm_head.dtype))
     vocab = lm_head.shape[1] if lm_head_layout == "hv" else lm_head.shape[0]
-    rows = plan_chunk(b * t, vocab, logits_dtype.itemsize,
-                      block_sizes or LmHeadBlockSizes(), jax.default_backend())
+    rows = plan_chunk(b * t, vocab, block_sizes or LmHeadBlockSizes(), jax.default_backend())
     static = dict(config=config, layout=lm_head_layout, logits_dtype=logits_dtype, rows=rows)
     rest = (ids, mask, advantages, old_logps, ref_logps, num_items_in_batch)
 
