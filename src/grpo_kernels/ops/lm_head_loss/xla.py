@@ -80,12 +80,19 @@ class LmHeadBlockSizes:
 
 
 # Byte budget of one chunk's [c, V] float32 logits. CPU: measured on the 2-core development
-# machine (docs/lm_head.md); accelerators want large matmuls.
-_DEFAULT_CHUNK_BYTES = {"cpu": 32 << 20, "gpu": 1 << 30, "tpu": 1 << 30}
+# machine (docs/lm_head.md). GPU: an H100 ran B=1, T=8192, H=4096, V=151,936 bf16 within 1.10x
+# of three matmuls at every chunk from 1760 to 8192 rows, and 2048 rows planned the smallest
+# temporaries (docs/benchmarks.md); 2 GiB rounded down to a power of two gives 2048 there.
+# TPU: not measured yet.
+_DEFAULT_CHUNK_BYTES = {"cpu": 32 << 20, "gpu": 2 << 30, "tpu": 1 << 30}
+# Backends whose planned rows are rounded down to a power of two, so that power-of-two token
+# counts split into equal chunks with no separately compiled tail.
+_POW2_CHUNKS = frozenset({"gpu"})
 
 
 def plan_chunk(n_rows: int, vocab: int, blocks: LmHeadBlockSizes, backend: str) -> int:
-    """Rows per chunk: the byte budget over a row's float32 logits, a multiple of 8.
+    """Rows per chunk: the byte budget over a row's float32 logits, a multiple of 8 (a power
+    of two on GPU).
 
     A row costs ``4 V`` bytes of float32 logits (plus its narrower gradient); the ``[c, H]``
     buffers are small beside them and do not enter. On the development CPU the default
@@ -96,6 +103,8 @@ def plan_chunk(n_rows: int, vocab: int, blocks: LmHeadBlockSizes, backend: str) 
         return min(blocks.chunk_tokens, n_rows)
     budget = blocks.chunk_bytes or _DEFAULT_CHUNK_BYTES.get(backend, 256 << 20)
     rows = max(8, budget // (4 * vocab) // 8 * 8)
+    if backend in _POW2_CHUNKS:
+        rows = max(8, 1 << (rows.bit_length() - 1))
     return min(rows, n_rows)
 
 
@@ -232,13 +241,21 @@ def _slice_rows(x: Array, start: Any, size: int, axis: int = 0) -> Array:
 
 GradFn = Callable[[Any, int, Array], Array]
 
-# float32 elements of one dW update product [rows, V] (16 MiB; docs/lm_head.md).
+# float32 elements of one dW update product [rows, V] on CPU (16 MiB; docs/lm_head.md).
 DWEIGHT_ELEMENTS = 1 << 22
 
 
-def dweight_rows(hidden: int, vocab: int) -> int:
-    """Rows of ``dW [H, V]`` per update: :data:`DWEIGHT_ELEMENTS` over ``V``, a multiple of 8,
-    at most ``H``. A vocabulary shard passes the global ``V`` (its product shrinks with it)."""
+def dweight_rows(hidden: int, vocab: int, backend: str | None = None) -> int:
+    """Rows of ``dW [H, V]`` per update.
+
+    CPU: :data:`DWEIGHT_ELEMENTS` over ``V``, a multiple of 8, at most ``H``. A vocabulary
+    shard passes the global ``V`` (its product shrinks with it). GPU and TPU: all ``H`` rows,
+    one ``[H, c] x [c, V]`` product per chunk. Row blocks of a few dozen rows are skinny
+    matmuls that each re-read the whole ``delta``; on an H100 they made the fused op 2x slower
+    than the materialised reference (docs/benchmarks.md).
+    """
+    if (backend or jax.default_backend()) != "cpu":
+        return hidden
     return min(hidden, max(8, DWEIGHT_ELEMENTS // vocab // 8 * 8))
 
 

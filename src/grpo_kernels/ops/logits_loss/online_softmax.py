@@ -83,6 +83,17 @@ def merge_stats(a: Stats, b: Stats) -> Stats:
     return m, sa + sb, qa + qb
 
 
+def reduce_stats(m: Array, total: Array, q: Array, axis: int = -1) -> Stats:
+    """:func:`merge_stats` folded over ``axis``: the triples of disjoint parts of a row (e.g.
+    one per vocabulary tile, laid out along ``axis``) merged into the row's triple."""
+    c = jnp.max(m, axis=axis, keepdims=True)
+    c_safe = jnp.where(jnp.isfinite(c), c, 0.0)
+    scale = jnp.where(total > 0, jnp.exp(m - c_safe), 0.0)
+    q = q + jnp.where(total > 0, total * (m - c_safe), 0.0)
+    return (jnp.squeeze(c, axis), jnp.sum(scale * total, axis=axis),
+            jnp.sum(scale * q, axis=axis))
+
+
 def finish(m: Array, total: Array, q: Array, chosen: Array) -> Stats:
     """``(logp, lse, entropy)`` from a row's ``(m, S, Q)`` and its chosen (scaled) logit."""
     log_total = jnp.log(total)

@@ -1,10 +1,23 @@
 r"""Pallas GPU kernels (Triton lowering) for the logits-level GRPO loss.
 
-Same two kernels and the same math as :mod:`grpo_kernels.ops.logits_loss.pallas_tpu`, shaped for
-a GPU: one program per row (``N = B*T`` programs, so batch and time both give parallelism), the
-row swept in power-of-two tiles of ``block_vocab`` columns held in registers, with the ragged
-last tile read through a masked load (``other=-inf``) and written through a masked store. The
-per-row running max, ``S``, ``Q`` and chosen logit stay in registers across the sweep.
+Same math as :mod:`grpo_kernels.ops.logits_loss.pallas_tpu`, shaped for a GPU: the ``[N, V]``
+logits are cut into vocabulary tiles of ``block_vocab`` columns (a power of two) and every tile
+of every row is one Triton program, a 2-D grid ``(N, V // block_vocab)`` with no loop inside a
+program:
+
+- statistics: each program writes its tile's ``(m, S, Q)`` and chosen-logit share into
+  ``[N, tiles]`` partials, which :func:`~grpo_kernels.ops.logits_loss.online_softmax.reduce_stats`
+  merges in XLA (``16 N tiles`` bytes, next to ``2 N V`` read);
+- gradient: each program writes its tile of ``dz = c (onehot(y) - e^{s - lse})``.
+
+The ragged last ``V mod block_vocab`` columns go through one more call of the same kernel with
+grid ``(N,)``, a masked load and a masked store. Only that call masks, so the full tiles load
+and store in 16-byte vectors.
+
+Why one program per tile: with one program per row sweeping all of ``V`` (the first design), a
+4096-column tile in registers allowed about three programs per multiprocessor, and the whole
+step ran at 1.0-1.2 TB/s on an H100 whose copy runs at 2.9 TB/s (docs/benchmarks.md). Tiles
+give ``N V / block_vocab`` independent programs and the scheduler keeps the memory system busy.
 
 Why Triton and not Mosaic GPU: in jax 0.10-0.11 the Triton lowering covers every NVIDIA GPU JAX
 supports (Ampere and newer) with plain ``pl.load``/``pl.store``; this op is a bandwidth-bound
@@ -23,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from grpo_kernels.compat import out_struct
-from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, merge_stats
+from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, reduce_stats
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -31,107 +44,141 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class GpuBlocks:
-    """Tiling of the GPU kernels: vocabulary tile (a power of two) and warps per program."""
+    """Tiling of the GPU kernels: vocabulary tile per program (a power of two), warps per
+    program, and Triton's pipelining depth (no loop is left to pipeline; kept for probes)."""
 
     block_vocab: int
     num_warps: int
+    num_stages: int = 2
 
 
 def plan_blocks(vocab: int, block_vocab: int | None = None) -> GpuBlocks:
-    """Power-of-two tile of at most 4096 columns (16 KiB of float32 per row in registers)."""
+    """Power-of-two tile of at most 8192 columns, 4 warps (64 columns per thread).
+
+    On an H100 (bf16, V = 151,643) 8192-column tiles gave the fastest whole step at
+    B=4, T=1024 and within 2% of the fastest at B=1, T=2048 among tiles of 1024-8192
+    columns (benchmarks/gpu_probes.py step; docs/benchmarks.md).
+    """
     if block_vocab is None:
-        block_vocab = min(4096, pl.next_power_of_2(vocab))
+        block_vocab = min(8192, pl.next_power_of_2(vocab))
     if block_vocab & (block_vocab - 1):
         raise ValueError(f"block_vocab must be a power of two on GPU, got {block_vocab}")
-    return GpuBlocks(block_vocab, num_warps=8 if block_vocab >= 2048 else 4)
+    return GpuBlocks(block_vocab, num_warps=4)
 
 
-def _sweep(vocab: int, block_vocab: int, body, carry):
-    """Full tiles in a loop, then the masked ragged tail (static start)."""
-    full, tail = divmod(vocab, block_vocab)
-    if full:
-        carry = jax.lax.fori_loop(0, full, lambda j, c: body(j * block_vocab, False, c), carry)
-    if tail:
-        # The tail tile runs past V and is masked. Its start is made a traced value, since a
-        # static slice past the ref's end is rejected at trace time even when masked.
-        carry = body(full * block_vocab + 0 * pl.program_id(0), True, carry)
-    return carry
+def _tile(x_ref, start, block_vocab, vocab, ragged, other):
+    """The tile ``[start, start + block_vocab)`` of a row as float32, and its column ids."""
+    cols = start + jnp.arange(block_vocab, dtype=jnp.int32)
+    if ragged:
+        x = plgpu.load(x_ref.at[pl.ds(start, block_vocab)], mask=cols < vocab, other=other)
+    else:
+        x = plgpu.load(x_ref.at[pl.ds(pl.multiple_of(start, block_vocab), block_vocab)])
+    return x, cols
 
 
-def _stats_kernel(x_ref, id_ref, logp_ref, lse_ref, ent_ref, *, block_vocab, inv_tau):
+def _start(block_vocab: int, ragged: bool, full: int):
+    # The ragged tile's start is made a traced value: a static slice past the ref's end is
+    # rejected at trace time even when masked.
+    return full * block_vocab + 0 * pl.program_id(0) if ragged else (
+        pl.program_id(1) * block_vocab)
+
+
+def _stats_kernel(x_ref, id_ref, m_ref, s_ref, q_ref, c_ref, *, block_vocab, inv_tau, ragged):
     vocab = x_ref.shape[0]
-    y = id_ref[...]
-    offs = jnp.arange(block_vocab, dtype=jnp.int32)
-
-    def tile(start, ragged, carry):
-        stats, chosen = carry
-        cols = start + offs
-        if ragged:
-            x = plgpu.load(x_ref.at[pl.ds(start, block_vocab)], mask=cols < vocab,
-                           other=-jnp.inf)
-        else:
-            x = plgpu.load(x_ref.at[pl.ds(start, block_vocab)])
-        x = x.astype(_F32) * inv_tau
-        chosen = chosen + jnp.sum(jnp.where(cols == y, x, 0.0))
-        return merge_stats(stats, block_stats(x)), chosen
-
-    zero = jnp.zeros((), _F32)
-    stats, chosen = _sweep(vocab, block_vocab, tile,
-                           ((jnp.full((), -jnp.inf, _F32), zero, zero), zero))
-    logp_ref[...], lse_ref[...], ent_ref[...] = finish(*stats, chosen)
+    start = _start(block_vocab, ragged, vocab // block_vocab)
+    x, cols = _tile(x_ref, start, block_vocab, vocab, ragged, -jnp.inf)
+    x = x.astype(_F32) * inv_tau
+    m_ref[...], s_ref[...], q_ref[...] = block_stats(x)
+    c_ref[...] = jnp.sum(jnp.where(cols == id_ref[...], x, 0.0))
 
 
-def _grad_kernel(x_ref, id_ref, lse_ref, coef_ref, o_ref, *, block_vocab, inv_tau):
+def _grad_kernel(x_ref, id_ref, lse_ref, coef_ref, *rest, block_vocab, inv_tau, ragged):
+    o_ref = rest[-1]  # an aliased destination, when there is one, comes before it
     vocab = x_ref.shape[0]
-    y, lse, coef = id_ref[...], lse_ref[...], coef_ref[...]
-    offs = jnp.arange(block_vocab, dtype=jnp.int32)
-
-    def tile(start, ragged, carry):
-        cols = start + offs
-        mask = cols < vocab if ragged else None
-        x = plgpu.load(x_ref.at[pl.ds(start, block_vocab)], mask=mask,
-                       other=0.0 if ragged else None)
-        p = jnp.exp(x.astype(_F32) * inv_tau - lse)
-        d = (coef * jnp.where(cols == y, 1.0 - p, -p)).astype(o_ref.dtype)
-        plgpu.store(o_ref.at[pl.ds(start, block_vocab)], d, mask=mask)
-        return carry
-
-    _sweep(vocab, block_vocab, tile, 0)
+    start = _start(block_vocab, ragged, vocab // block_vocab)
+    x, cols = _tile(x_ref, start, block_vocab, vocab, ragged, 0.0)
+    p = jnp.exp(x.astype(_F32) * inv_tau - lse_ref[...])
+    d = (coef_ref[...] * jnp.where(cols == id_ref[...], 1.0 - p, -p)).astype(o_ref.dtype)
+    if ragged:
+        plgpu.store(o_ref.at[pl.ds(start, block_vocab)], d, mask=cols < vocab)
+    else:
+        plgpu.store(o_ref.at[pl.ds(pl.multiple_of(start, block_vocab), block_vocab)], d)
 
 
-def _row(vocab: int):
-    return pl.BlockSpec((None, vocab), lambda i: (i, 0))
+def _grid(n: int, vocab: int, block_vocab: int, ragged: bool) -> tuple[int, ...]:
+    return (n,) if ragged else (n, vocab // block_vocab)
 
 
-_SCALAR = pl.BlockSpec((None,), lambda i: (i,))
+def _specs(vocab: int, ragged: bool):
+    """BlockSpecs of a whole row and of a per-row scalar for either grid."""
+    if ragged:
+        return pl.BlockSpec((None, vocab), lambda i: (i, 0)), pl.BlockSpec((None,), lambda i: (i,))
+    return (pl.BlockSpec((None, vocab), lambda i, j: (i, 0)),
+            pl.BlockSpec((None,), lambda i, j: (i,)))
+
+
+def _params(blocks: GpuBlocks):
+    return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
 def row_statistics(z: Array, ids: Array, temperature: float, blocks: GpuBlocks,
                    interpret: bool = False) -> tuple[Array, Array, Array]:
     """``(logp, lse, entropy)``, each ``[N]`` float32; arguments as the TPU version's."""
     n, vocab = z.shape
-    out = out_struct((n,), _F32, z, ids)
-    return pl.pallas_call(
-        functools.partial(_stats_kernel, block_vocab=blocks.block_vocab,
-                          inv_tau=1.0 / temperature),
-        grid=(n,), out_shape=(out, out, out),
-        in_specs=[_row(vocab), _SCALAR], out_specs=(_SCALAR,) * 3,
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=2),
-        interpret=bool(interpret), name="grpo_row_statistics",
-    )(z, ids.astype(jnp.int32))
+    ids = ids.astype(jnp.int32)
+    full, tail = divmod(vocab, blocks.block_vocab)
+    parts = []
+    for ragged in ((False,) if full else ()) + ((True,) if tail else ()):
+        row, scalar = _specs(vocab, ragged)
+        tile_out = scalar if ragged else pl.BlockSpec((None, None), lambda i, j: (i, j))
+        out = out_struct((n,) if ragged else (n, full), _F32, z, ids)
+        m, s, q, c = pl.pallas_call(
+            functools.partial(_stats_kernel, block_vocab=blocks.block_vocab,
+                              inv_tau=1.0 / temperature, ragged=ragged),
+            grid=_grid(n, vocab, blocks.block_vocab, ragged), out_shape=(out,) * 4,
+            in_specs=[row, scalar], out_specs=(tile_out,) * 4, compiler_params=_params(blocks),
+            interpret=bool(interpret), name="grpo_tile_statistics",
+        )(z, ids)
+        parts.append((m, s, q, c) if not ragged else tuple(x[:, None] for x in (m, s, q, c)))
+    m, s, q, c = (jnp.concatenate(xs, axis=1) if len(xs) > 1 else xs[0] for xs in zip(*parts))
+    return finish(*reduce_stats(m, s, q), jnp.sum(c, axis=1))
 
 
 def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: float,
                     blocks: GpuBlocks, interpret: bool = False,
                     alias_logits: bool = False) -> Array:
-    """``coef (onehot(ids) - exp(z / temperature - lse))`` as ``[N, V]`` in ``z.dtype``."""
+    """``coef (onehot(ids) - exp(z / temperature - lse))`` as ``[N, V]`` in ``z.dtype``.
+
+    The full tiles and the ragged tail are two calls writing one buffer. Without aliasing the
+    full tiles go first into a fresh output and the tail call writes into it in place; with
+    ``alias_logits`` the tail goes first, into the logits' own buffer, whose full tiles the
+    second call then reads and overwrites tile by tile (each program reads its tile before it
+    writes it, and no other program touches it).
+    """
     n, vocab = z.shape
-    return pl.pallas_call(
-        functools.partial(_grad_kernel, block_vocab=blocks.block_vocab,
-                          inv_tau=1.0 / temperature),
-        grid=(n,), out_shape=out_struct((n, vocab), z.dtype, z, ids, lse, coef),
-        in_specs=[_row(vocab), _SCALAR, _SCALAR, _SCALAR], out_specs=_row(vocab),
-        input_output_aliases={0: 0} if alias_logits else {},
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=2),
-        interpret=bool(interpret), name="grpo_logits_gradient",
-    )(z, ids.astype(jnp.int32), lse.astype(_F32), coef.astype(_F32))
+    args = (ids.astype(jnp.int32), lse.astype(_F32), coef.astype(_F32))
+    full, tail = divmod(vocab, blocks.block_vocab)
+
+    def call(ragged: bool, src: Array, dst: Array | None, alias: dict[int, int]) -> Array:
+        row, scalar = _specs(vocab, ragged)
+        extra = () if dst is None else (dst,)
+        return pl.pallas_call(
+            functools.partial(_grad_kernel, block_vocab=blocks.block_vocab,
+                              inv_tau=1.0 / temperature, ragged=ragged),
+            grid=_grid(n, vocab, blocks.block_vocab, ragged),
+            out_shape=out_struct((n, vocab), z.dtype, z, *args),
+            in_specs=[row, scalar, scalar, scalar] + [row] * len(extra), out_specs=row,
+            input_output_aliases=alias, compiler_params=_params(blocks),
+            interpret=bool(interpret), name="grpo_tile_gradient",
+        )(src, *args, *extra)
+
+    order = [r for r, present in ((False, full), (True, tail)) if present]
+    if alias_logits:
+        out = z
+        for ragged in reversed(order):  # tail first: it reads columns the tiles never write
+            out = call(ragged, out, None, {0: 0})
+        return out
+    out = call(order[0], z, None, {})
+    if len(order) > 1:
+        out = call(order[1], z, out, {4: 0})
+    return out

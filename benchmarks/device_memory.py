@@ -1,0 +1,110 @@
+"""Device peak memory of one ``value_and_grad`` step of one implementation, in a fresh process.
+
+``memory_stats()["peak_bytes_in_use"]`` is a process-wide high-water mark that cannot be reset,
+so ``grpo-kernels bench`` (every implementation in one process) cannot attribute it. This script
+runs one implementation of one op, with the inputs drawn on the host CPU backend and then
+placed on the accelerator, so the device's mark holds only the inputs and the step itself.
+
+    python benchmarks/device_memory.py --op logits --impl pallas --batch 1 --time 2048 \\
+        --vocab 151643 --dtype bfloat16
+    python benchmarks/device_memory.py --op lm_head --impl xla --batch 1 --time 8192 \\
+        --hidden 4096 --vocab 151936 --dtype bfloat16
+
+Prints one JSON line: bytes in use before the step (the inputs), the peak, the step's output
+bytes, and for the logits op the issue's budget ``logits + dlogits`` (``2 N V b``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from grpo_kernels import GRPOLossConfig, PallasOptions, grpo_loss, grpo_loss_from_hidden
+from grpo_kernels.ops.lm_head_loss.inputs import random_head_inputs
+from grpo_kernels.ops.logits_loss.inputs import parse_dtype, random_inputs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--op", choices=["logits", "lm_head"], required=True)
+    p.add_argument("--impl", required=True, help="reference, xla or pallas")
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--time", type=int, required=True)
+    p.add_argument("--vocab", type=int, required=True)
+    p.add_argument("--hidden", type=int, help="--op lm_head only")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--donate", action="store_true",
+                   help="donate the logits (--op logits; pallas then writes dlogits into them)")
+    args = p.parse_args(argv)
+    if args.op == "lm_head" and args.hidden is None:
+        p.error("--op lm_head needs --hidden")
+    dev = jax.devices()[0]
+    if dev.memory_stats() is None:
+        print(f"device_memory: {dev.platform} reports no memory_stats()", file=sys.stderr)
+        return 2
+    dtype = parse_dtype(args.dtype)
+    config = GRPOLossConfig(max_completion_length=args.time)
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):  # the inputs' own temporaries stay off the accelerator
+        if args.op == "logits":
+            inp = random_inputs(0, args.batch, args.time, args.vocab, dtype, config)
+        else:
+            inp = random_head_inputs(0, args.batch, args.time, args.hidden, args.vocab, dtype,
+                                     config)
+    inp = dataclasses.replace(inp, **{
+        f.name: None if getattr(inp, f.name) is None else jax.device_put(getattr(inp, f.name), dev)
+        for f in dataclasses.fields(inp)})
+    jax.block_until_ready([getattr(inp, f.name) for f in dataclasses.fields(inp)])
+
+    if args.op == "logits":
+        # Donated logits can take dlogits only where the kernel writes into its input.
+        extra = ({"block_sizes": PallasOptions(alias_logits=True)}
+                 if args.donate and args.impl == "pallas" else {})
+
+        def loss(z):
+            return grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=config,
+                             impl=args.impl, **inp.kwargs(), **extra)
+        step = jax.jit(jax.value_and_grad(loss, has_aux=True),
+                       donate_argnums=(0,) if args.donate else ())
+        operands = (inp.logits,)
+    else:
+        def loss(h, w):
+            return grpo_loss_from_hidden(h, w, inp.ids, inp.mask, inp.advantages,
+                                         config=config, impl=args.impl,
+                                         old_logps=inp.old_logps, ref_logps=inp.ref_logps)
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+        operands = (inp.hidden, inp.lm_head)
+
+    compiled = step.lower(*operands).compile()
+    before = dev.memory_stats()["bytes_in_use"]
+    out = compiled(*operands)
+    jax.block_until_ready(out)
+    stats = dev.memory_stats()
+    (value, _), grads = out
+    out_bytes = sum(x.nbytes for x in jax.tree.leaves(grads))
+    analysis = compiled.memory_analysis()
+    record = {
+        "op": args.op, "impl": args.impl, "batch": args.batch, "time": args.time,
+        "vocab": args.vocab, "hidden": args.hidden, "dtype": args.dtype, "donate": args.donate,
+        "device": dev.device_kind, "jax": jax.__version__,
+        "loss": float(value), "finite": bool(jnp.isfinite(value)),
+        "bytes_in_use_before": before, "peak_bytes_in_use": stats["peak_bytes_in_use"],
+        "step_peak_over_inputs": stats["peak_bytes_in_use"] - before,
+        "gradient_bytes": out_bytes,
+        "temp_size_in_bytes": getattr(analysis, "temp_size_in_bytes", None),
+    }
+    if args.op == "logits":
+        nvb = inp.logits.nbytes
+        record["logits_plus_dlogits"] = 2 * nvb
+        record["peak_over_logits_plus_dlogits"] = stats["peak_bytes_in_use"] / (2 * nvb)
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Peer benchmark on a GPU: our losses against Liger-Kernel's Triton kernels, one process.
+
+``--op logits``: ``grpo_loss`` (impls ``--ours``) against ``liger_kernel.transformers.
+grpo_loss.triton_grpo_loss`` on the same logits. ``--op lm_head``: ``grpo_loss_from_hidden``
+against ``LigerFusedLinearGRPOLoss`` on the same hidden states and ``[V, H]`` head. Both sides
+run forward + backward on the same inputs and loss options (TRL semantics: ``loss_type``, clip
+0.2, beta, temperature, old log-probs given) on the same GPU; JAX is told not to preallocate so
+torch has room. The script checks the losses agree, then prints median times (CUDA-synchronised
+on the torch side, ``block_until_ready`` on ours), ours / theirs, and torch's peak allocated bytes
+(``torch.cuda.max_memory_allocated``, inputs included).
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/liger_gpu_peer.py --op logits \\
+        --batch 1 --time 2048 --vocab 151643
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from timing import median_ms  # noqa: E402
+
+from grpo_kernels import GRPOLossConfig, grpo_loss, grpo_loss_from_hidden  # noqa: E402
+from grpo_kernels.ops.lm_head_loss.inputs import random_head_inputs  # noqa: E402
+from grpo_kernels.ops.logits_loss.inputs import random_inputs  # noqa: E402
+
+
+def torch_median_ms(torch, fn, iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--op", choices=["logits", "lm_head"], required=True)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--time", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=151643)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--ours", default="xla,pallas", help="our impls to time (logits op)")
+    p.add_argument("--loss-type", default="grpo", choices=["grpo", "bnpo", "dr_grpo", "dapo"])
+    p.add_argument("--beta", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--liger-compiled", action="store_true",
+                   help="LigerFusedLinearGRPOLoss(compiled=True) (torch.compile)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    args = p.parse_args(argv)
+    try:
+        import torch
+        if args.op == "logits":
+            from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+        else:
+            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    except ImportError as e:
+        print(f"liger_gpu_peer: skipped: needs torch and liger-kernel ({e})", file=sys.stderr)
+        return 3
+    if not torch.cuda.is_available() or jax.default_backend() != "gpu":
+        print("liger_gpu_peer: skipped: needs a CUDA GPU for both torch and JAX", file=sys.stderr)
+        return 3
+
+    b, t, v = args.batch, args.time, args.vocab
+    cfg = GRPOLossConfig(loss_type=args.loss_type, beta=args.beta, temperature=args.temperature,
+                         max_completion_length=t)
+    jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    dev = torch.device("cuda")
+
+    def to_torch(x, dt=torch.float32):
+        return torch.from_numpy(np.asarray(jnp.asarray(x, jnp.float32))).to(dev, dt).contiguous()
+
+    record = {"op": args.op, "batch": b, "time": t, "vocab": v, "dtype": args.dtype,
+              "loss_type": args.loss_type, "beta": args.beta, "temperature": args.temperature,
+              "jax": jax.__version__, "torch": torch.__version__,
+              "device": torch.cuda.get_device_name()}
+    if args.op == "logits":
+        inp = random_inputs(0, b, t, v, jdtype, cfg)
+        ours = {}
+        for impl in ["reference", *[s for s in args.ours.split(",") if s]]:
+            step = jax.jit(jax.value_and_grad(
+                lambda z, impl=impl: grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=cfg,
+                                               impl=impl, **inp.kwargs()), has_aux=True))
+            ours[impl] = (float(step(inp.logits)[0][0]),
+                          median_ms(lambda: step(inp.logits), args.iters, args.warmup))
+        # Liger takes [B, T+1, V] (the causal shift's extra position) and drops the last.
+        z = torch.cat([to_torch(inp.logits, tdtype), torch.zeros(b, 1, v, dtype=tdtype,
+                                                                  device=dev)], dim=1)
+        tensors = dict(old_logp=to_torch(inp.old_logps), ref_logp=to_torch(inp.ref_logps),
+                       completion_ids=to_torch(inp.ids, torch.int64),
+                       advantages=to_torch(inp.advantages),
+                       completion_mask=to_torch(inp.mask, torch.int32))
+        z.requires_grad_(True)
+
+        def theirs(inplace: bool):
+            z.grad = None
+            loss, _ = triton_grpo_loss(z, **tensors, temperature=args.temperature,
+                                       beta=args.beta, eps_low=0.2, eps_high=0.2,
+                                       inplace=inplace, loss_type=args.loss_type,
+                                       max_completion_length=t, reduce=True)
+            loss.backward()
+            return loss.detach()
+
+        their_loss = float(theirs(False))
+        results = {}
+        for inplace in (False, True):
+            torch.cuda.reset_peak_memory_stats()
+            ms = torch_median_ms(torch, lambda: theirs(inplace), args.iters, args.warmup)
+            results[f"liger_inplace_{inplace}"] = {
+                "median_ms": ms, "torch_peak_allocated": torch.cuda.max_memory_allocated()}
+        ref_loss = ours["reference"][0]
+        record.update(loss_reference=ref_loss, loss_liger=their_loss,
+                      loss_rel_diff=abs(ref_loss - their_loss) / max(abs(ref_loss), 1e-12),
+                      ours={k: {"loss": l, "median_ms": ms} for k, (l, ms) in ours.items()},
+                      liger=results)
+        base = results["liger_inplace_False"]["median_ms"]
+        record["ours_over_liger"] = {k: ms / base for k, (_, ms) in ours.items()}
+    else:
+        inp = random_head_inputs(0, b, t, args.hidden, v, jdtype, cfg, layout="vh")
+
+        def ours_loss(h, w, impl):
+            return grpo_loss_from_hidden(h, w, inp.ids, inp.mask, inp.advantages, config=cfg,
+                                         impl=impl, lm_head_layout="vh",
+                                         old_logps=inp.old_logps, ref_logps=inp.ref_logps)[0]
+
+        ours = {}
+        for impl in ("reference", "xla"):
+            step = jax.jit(jax.value_and_grad(lambda h, w, impl=impl: ours_loss(h, w, impl),
+                                              argnums=(0, 1)))
+            ours[impl] = (float(step(inp.hidden, inp.lm_head)[0]),
+                          median_ms(lambda: step(inp.hidden, inp.lm_head), args.iters,
+                                    args.warmup))
+        h_t = to_torch(inp.hidden, tdtype).requires_grad_(True)
+        w_t = to_torch(inp.lm_head, tdtype).requires_grad_(True)
+        loss_fn = LigerFusedLinearGRPOLoss(
+            beta=args.beta, compiled=args.liger_compiled, use_ref_model=args.beta > 0,
+            chunk_size=1, loss_type=args.loss_type, max_completion_length=t,
+            temperature=args.temperature)
+        tensors = dict(selected_token_ids=to_torch(inp.ids, torch.int64),
+                       attention_mask=to_torch(inp.mask), advantages=to_torch(inp.advantages),
+                       ref_per_token_logps=to_torch(inp.ref_logps),
+                       old_per_token_logps=to_torch(inp.old_logps))
+
+        def theirs():
+            h_t.grad = w_t.grad = None
+            out = loss_fn(h_t, w_t, **tensors)
+            loss = out[0] if isinstance(out, tuple) else out
+            loss.backward()
+            return loss.detach()
+
+        their_loss = float(theirs())
+        torch.cuda.reset_peak_memory_stats()
+        their_ms = torch_median_ms(torch, theirs, args.iters, args.warmup)
+        n = b * t
+        h2, w2 = h_t.detach().reshape(n, args.hidden), w_t.detach()
+        torch_mm = torch_median_ms(torch, lambda: h2 @ w2.T, args.iters, args.warmup)
+        ref_loss = ours["reference"][0]
+        record.update(hidden=args.hidden, liger_compiled=args.liger_compiled,
+                      loss_reference=ref_loss, loss_liger=their_loss,
+                      loss_rel_diff=abs(ref_loss - their_loss) / max(abs(ref_loss), 1e-12),
+                      ours={k: {"loss": l, "median_ms": ms} for k, (l, ms) in ours.items()},
+                      liger={"median_ms": their_ms,
+                             "torch_peak_allocated": torch.cuda.max_memory_allocated()},
+                      torch_matmul_ms=torch_mm,
+                      liger_over_3_torch_matmuls=their_ms / (3 * torch_mm),
+                      ours_over_liger={k: ms / their_ms for k, (_, ms) in ours.items()})
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
