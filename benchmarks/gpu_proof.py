@@ -76,6 +76,9 @@ def phases(groups: set[str]) -> list[tuple[str, list[str], int]]:
     head_flags = ["--batch", HEAD["batch"], "--time", HEAD["time"], "--hidden", HEAD["hidden"],
                   "--vocab", HEAD["vocab"], "--dtype", "bfloat16"]
     if "lm_head" in groups:
+        out.append(("head_gradcheck", _script("head_gradcheck.py", "--batch", HEAD["batch"],
+                                              "--time", HEAD["time"], "--hidden",
+                                              HEAD["hidden"], "--vocab", HEAD["vocab"]), 180))
         out.append(("bench_lm_head", _cli("bench-lm-head", "--impl", "reference,xla",
                                           "--iters", 10, "--warmup", 2, *head_flags), 240))
         for chunk in HEAD_CHUNKS:
@@ -153,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                                         "time_over_3_matmuls", "passed", "max_rel_diff_dlogits",
                                         "abs_diff_loss", "bandwidth_bytes_per_s",
                                         "peak_over_logits_plus_dlogits", "ours_over_liger",
-                                        "liger", "loss_rel_diff") if k in row}
+                                        "liger", "loss_rel_diff", "bound", "dhidden_err_xla",
+                                        "dW_err_xla") if k in row}
             print(rec["phase"], json.dumps(keep))
         if not rec.get("rows"):
             print(rec["phase"], "rc", rec.get("rc"), rec.get("skipped", ""),
