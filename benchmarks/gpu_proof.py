@@ -3,7 +3,10 @@
 Run from the repository root on the GPU host (the project need not be installed; ``src`` and
 ``benchmarks`` go on ``PYTHONPATH``):
 
-    python3 benchmarks/gpu_proof.py --out $OUT --groups logits,lm_head,liger
+    python3 benchmarks/gpu_proof.py --out $OUT --groups env,logits,lm_head,liger
+
+``--plan dry`` runs every phase at tiny shapes on whatever backend is there (the CPU in CI:
+pallas interpreted, device memory and the Liger peers then exit with their reason).
 
 Each phase is one subprocess with a time limit; its output goes to ``OUT/proof.log`` and every
 JSON line it prints into ``OUT/proof.json``, with its exit code and wall time. A failing phase
@@ -13,21 +16,34 @@ never stops the next. The last lines printed are a short summary.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
 
-LOGITS_SHAPES = [(1, 2048), (4, 1024)]
-LOGITS_VOCAB = 151643
-HEAD = dict(batch=1, time=8192, hidden=4096, vocab=151936)
-ALIGNED_VOCAB = 151936
-GRADCHECK_IMPLS = ("pallas", "xla")
-MEMORY_IMPLS = ("reference", "xla", "pallas")
-if os.environ.get("GPU_PROOF_SHORT"):  # a rerun that skips what an earlier run of it measured
-    GRADCHECK_IMPLS, MEMORY_IMPLS = ("pallas",), ("pallas", "xla")
-HEAD_CHUNKS: tuple[int, ...] = ()
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Shapes and lists of one proof run."""
+
+    logits_shapes: tuple[tuple[int, int], ...] = ((1, 2048), (4, 1024))
+    vocab: int = 151643
+    aligned_vocab: int | None = 151936  # Qwen's padded vocabulary: 16-byte aligned rows
+    head: tuple[int, int, int, int] = (1, 8192, 4096, 151936)  # B, T, H, V
+    copy_rows: int = 4096
+    gradcheck_impls: tuple[str, ...] = ("pallas", "xla")
+    memory_impls: tuple[str, ...] = ("reference", "xla", "pallas")
+    iters: int = 20
+    head_iters: int = 10
+
+
+REAL = Plan()
+# A rerun that skips what an earlier run of the same code measured (xla gradcheck, reference memory).
+SHORT = dataclasses.replace(REAL, gradcheck_impls=("pallas",), memory_impls=("pallas", "xla"))
+# Every phase at tiny shapes, on whatever backend is there (CI runs it on the CPU).
+DRY = Plan(logits_shapes=((1, 8), (2, 5)), vocab=300, aligned_vocab=256, head=(1, 16, 32, 300),
+           copy_rows=16, iters=2, head_iters=2)
 
 
 def _cli(*args: object) -> list[str]:
@@ -38,7 +54,8 @@ def _script(name: str, *args: object) -> list[str]:
     return [sys.executable, f"benchmarks/{name}", *map(str, args)]
 
 
-def phases(groups: set[str]) -> list[tuple[str, list[str], int]]:
+def phases(groups: set[str], plan: Plan = REAL) -> list[tuple[str, list[str], int]]:
+    """``(name, argv, time limit in s)`` of every phase of ``groups``, in order."""
     out: list[tuple[str, list[str], int]] = []
     if "env" in groups:
         out.append(("nvidia-smi", ["nvidia-smi"], 30))
@@ -46,55 +63,50 @@ def phases(groups: set[str]) -> list[tuple[str, list[str], int]]:
                                  "import jax, jaxlib, sys; print(sys.version); "
                                  "print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); "
                                  "print(jax.devices())"], 60))
-        out.append(("copy_bandwidth", _script("copy_bandwidth.py", "--rows", 4096, "--vocab",
-                                              LOGITS_VOCAB), 90))
-    shape_flags = lambda b, t: ["--batch", b, "--time", t, "--vocab", LOGITS_VOCAB,  # noqa: E731
+        out.append(("copy_bandwidth", _script("copy_bandwidth.py", "--rows", plan.copy_rows,
+                                              "--vocab", plan.vocab), 90))
+    shape_flags = lambda b, t: ["--batch", b, "--time", t, "--vocab", plan.vocab,  # noqa: E731
                                 "--dtype", "bfloat16"]
     if "logits" in groups:
-        for b, t in LOGITS_SHAPES:
-            for impl in GRADCHECK_IMPLS:
+        for b, t in plan.logits_shapes:
+            for impl in plan.gradcheck_impls:
                 out.append((f"gradcheck_{impl}_B{b}_T{t}",
                             _cli("gradcheck", "--impl", impl, "--json", *shape_flags(b, t)), 120))
-        for b, t in LOGITS_SHAPES:
+        for b, t in plan.logits_shapes:
             out.append((f"bench_B{b}_T{t}", _cli("bench", "--impl", "reference,xla,pallas",
-                                                 "--iters", 20, "--warmup", 3,
+                                                 "--iters", plan.iters, "--warmup", 3,
                                                  *shape_flags(b, t)), 180))
-        if ALIGNED_VOCAB:  # the same step with rows 16-byte aligned (Qwen's padded vocab)
-            b, t = LOGITS_SHAPES[0]
-            out.append((f"bench_B{b}_T{t}_V{ALIGNED_VOCAB}",
-                        _cli("bench", "--impl", "reference,xla,pallas", "--iters", 20,
-                             "--warmup", 3, "--batch", b, "--time", t, "--vocab", ALIGNED_VOCAB,
+        if plan.aligned_vocab:  # the same step with rows 16-byte aligned (Qwen's padded vocab)
+            b, t = plan.logits_shapes[0]
+            out.append((f"bench_B{b}_T{t}_V{plan.aligned_vocab}",
+                        _cli("bench", "--impl", "reference,xla,pallas", "--iters", plan.iters,
+                             "--warmup", 3, "--batch", b, "--time", t, "--vocab", plan.aligned_vocab,
                              "--dtype", "bfloat16"), 180))
-        for b, t in LOGITS_SHAPES:
-            for impl in MEMORY_IMPLS:
+        for b, t in plan.logits_shapes:
+            for impl in plan.memory_impls:
                 out.append((f"memory_{impl}_B{b}_T{t}",
                             _script("device_memory.py", "--op", "logits", "--impl", impl,
                                     *shape_flags(b, t)), 120))
             out.append((f"memory_pallas_donated_B{b}_T{t}",
                         _script("device_memory.py", "--op", "logits", "--impl", "pallas",
                                 "--donate", *shape_flags(b, t)), 120))
-    head_flags = ["--batch", HEAD["batch"], "--time", HEAD["time"], "--hidden", HEAD["hidden"],
-                  "--vocab", HEAD["vocab"], "--dtype", "bfloat16"]
+    hb, ht, hh, hv = plan.head
+    head_flags = ["--batch", hb, "--time", ht, "--hidden", hh, "--vocab", hv]
     if "lm_head" in groups:
-        out.append(("head_gradcheck", _script("head_gradcheck.py", "--batch", HEAD["batch"],
-                                              "--time", HEAD["time"], "--hidden",
-                                              HEAD["hidden"], "--vocab", HEAD["vocab"]), 180))
+        out.append(("head_gradcheck", _script("head_gradcheck.py", *head_flags), 180))
         out.append(("bench_lm_head", _cli("bench-lm-head", "--impl", "reference,xla",
-                                          "--iters", 10, "--warmup", 2, *head_flags), 240))
-        for chunk in HEAD_CHUNKS:
-            out.append((f"bench_lm_head_chunk{chunk}",
-                        _cli("bench-lm-head", "--impl", "reference,xla", "--iters", 10,
-                             "--warmup", 2, "--chunk-tokens", chunk, *head_flags), 240))
+                                          "--iters", plan.head_iters, "--warmup", 2, *head_flags,
+                                          "--dtype", "bfloat16"), 240))
         for impl in ("reference", "xla"):
             out.append((f"memory_lm_head_{impl}",
                         _script("device_memory.py", "--op", "lm_head", "--impl", impl,
-                                *head_flags), 180))
+                                *head_flags, "--dtype", "bfloat16"), 180))
     if "liger" in groups:
-        for b, t in LOGITS_SHAPES:
+        for b, t in plan.logits_shapes:
             out.append((f"liger_logits_B{b}_T{t}",
                         _script("liger_gpu_peer.py", "--op", "logits", *shape_flags(b, t)), 180))
         out.append(("liger_lm_head", _script("liger_gpu_peer.py", "--op", "lm_head",
-                                             *head_flags), 240))
+                                             *head_flags, "--dtype", "bfloat16"), 240))
     return out
 
 
@@ -102,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--groups", default="env,logits,lm_head,liger")
+    p.add_argument("--plan", choices=["real", "short", "dry"], default="real",
+                   help="real: the issues' shapes; short: real without what an earlier run of "
+                   "the same code measured; dry: every phase at tiny shapes (a CPU test)")
     p.add_argument("--budget-s", type=float, default=560.0,
                    help="skip phases that would start after this many seconds")
     args = p.parse_args(argv)
@@ -112,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     records = []
     with open(os.path.join(args.out, "proof.log"), "w") as log:
-        for name, cmd, limit in phases(set(args.groups.split(","))):
+        plan = {"real": REAL, "short": SHORT, "dry": DRY}[args.plan]
+        for name, cmd, limit in phases(set(args.groups.split(",")), plan):
             elapsed = time.perf_counter() - start
             if elapsed > args.budget_s:
                 records.append({"phase": name, "rc": None, "skipped": "out of time"})
