@@ -27,6 +27,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from liger_lm_head_peer import liger_head_step  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 from grpo_kernels import GRPOLossConfig, grpo_loss, grpo_loss_from_hidden  # noqa: E402
@@ -158,12 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                        ref_per_token_logps=to_torch(inp.ref_logps),
                        old_per_token_logps=to_torch(inp.old_logps))
 
-        def theirs():
-            h_t.grad = w_t.grad = None
-            out = loss_fn(h_t, w_t, **tensors)
-            loss = out[0] if isinstance(out, tuple) else out
-            loss.backward()
-            return loss.detach()
+        theirs = liger_head_step(loss_fn, h_t, w_t, tensors)
 
         their_loss = float(theirs())
         torch.cuda.reset_peak_memory_stats()

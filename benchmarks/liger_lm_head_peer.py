@@ -25,6 +25,18 @@ from grpo_kernels import GRPOLossConfig, grpo_loss_from_hidden
 from grpo_kernels.ops.lm_head_loss.inputs import random_head_inputs
 
 
+def liger_head_step(loss_fn, h_t, w_t, tensors):
+    """One forward + backward of a ``LigerFusedLinearGRPOLoss`` w.r.t. hidden and head; the
+    returned call gives the detached loss."""
+    def step():
+        h_t.grad = w_t.grad = None
+        out = loss_fn(h_t, w_t, **tensors)
+        loss = out[0] if isinstance(out, tuple) else out
+        loss.backward()
+        return loss.detach()
+    return step
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=2)
@@ -80,12 +92,10 @@ def main(argv: list[str] | None = None) -> int:
                    ref_per_token_logps=to_torch(inp.ref_logps),
                    old_per_token_logps=to_torch(inp.old_logps))
 
+    step = liger_head_step(loss_fn, h_t, w_t, tensors)
+
     def theirs():
-        h_t.grad = w_t.grad = None
-        out = loss_fn(h_t, w_t, **tensors)
-        loss = out[0] if isinstance(out, tuple) else out
-        loss.backward()
-        return float(loss.detach())
+        return float(step())
 
     their_loss = theirs()
     their_ms = median_ms(theirs, args.iters, args.warmup)
