@@ -1,8 +1,12 @@
-"""Measured device memory bandwidth: bytes read + written by ``x + 1`` on an ``[N, V]`` array.
+"""Measured device memory bandwidth: bytes read + written by one pass over an ``[N, V]`` array.
 
-The roofline fraction of the loss kernels divides the bytes they must move by this measured
-figure, not by a data-sheet number. One elementwise kernel reads ``N V b`` bytes and writes as
-many; the median over ``--iters`` calls (after warm-up) gives bytes / time.
+The roofline fraction of the loss kernels divides the bytes they must move by a measured
+figure, not by a data-sheet number. Each way below reads ``N V b`` bytes and writes as many;
+the median over ``--iters`` calls (after warm-up) gives bytes / time:
+
+- ``jax x+1`` and ``jax x*2``: XLA's own elementwise kernel;
+- ``torch copy_``: the device copy, where torch with CUDA is installed (the highest figure on
+  an H100, so the one docs/benchmarks.md divides by).
 
     python benchmarks/copy_bandwidth.py --rows 4096 --vocab 151643 --dtype bfloat16
 """
@@ -12,12 +16,51 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
 from timing import median_ms
 
 from grpo_kernels.ops.logits_loss.inputs import parse_dtype
+
+
+def measure(rows: int, vocab: int, dtype: Any, iters: int, warmup: int) -> Iterator[dict]:
+    """One record per way of moving an ``[rows, vocab]`` array of ``dtype`` (a jnp dtype)."""
+    # Two arrays alternated, so consecutive calls never reuse a cached result.
+    xs = [jax.random.normal(jax.random.PRNGKey(i), (rows, vocab), jnp.float32).astype(dtype)
+          for i in range(2)]
+    nbytes = 2 * xs[0].nbytes
+    base = {"rows": rows, "vocab": vocab, "dtype": str(jnp.dtype(dtype)), "bytes_moved": nbytes,
+            "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    for name, fn in (("x+1", lambda x: x + jnp.asarray(1, x.dtype)),
+                     ("x*2", lambda x: x * jnp.asarray(2, x.dtype))):
+        f = jax.jit(fn)
+        calls = iter(range(10 ** 9))
+        ms = median_ms(lambda: f(xs[next(calls) % 2]), iters, warmup)
+        yield {**base, "how": f"jax {name}", "median_ms": ms,
+               "bandwidth_bytes_per_s": nbytes / (ms * 1e-3)}
+    del xs
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        return
+    x = torch.randn(rows, vocab, device="cuda").to(
+        {jnp.dtype(jnp.bfloat16): torch.bfloat16, jnp.dtype(jnp.float32): torch.float32}[
+            jnp.dtype(dtype)])
+    y = torch.empty_like(x)
+
+    def copy():
+        y.copy_(x)
+        torch.cuda.synchronize()
+
+    ms = median_ms(copy, iters, warmup)
+    yield {**base, "how": "torch copy_", "median_ms": ms,
+           "bandwidth_bytes_per_s": nbytes / (ms * 1e-3)}
+    del x, y
+    torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,18 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args(argv)
-    dtype = parse_dtype(args.dtype)
-    # Two arrays alternated, so consecutive calls never reuse a cached result.
-    xs = [jax.random.normal(jax.random.PRNGKey(i), (args.rows, args.vocab), jnp.float32)
-          .astype(dtype) for i in range(2)]
-    add = jax.jit(lambda x: x + jnp.asarray(1, dtype))
-    calls = iter(range(10 ** 9))
-    ms = median_ms(lambda: add(xs[next(calls) % 2]), args.iters, args.warmup)
-    nbytes = 2 * xs[0].nbytes
-    print(json.dumps({"rows": args.rows, "vocab": args.vocab, "dtype": args.dtype,
-                      "bytes_moved": nbytes, "median_ms": ms,
-                      "bandwidth_bytes_per_s": nbytes / (ms * 1e-3),
-                      "device": jax.devices()[0].device_kind, "jax": jax.__version__}))
+    for record in measure(args.rows, args.vocab, parse_dtype(args.dtype), args.iters,
+                          args.warmup):
+        print(json.dumps(record))
     return 0
 
 

@@ -1,6 +1,6 @@
 """Tuning probes for a lent GPU, one process per section: what the proof's defaults rest on.
 
-    python3 benchmarks/gpu_probes.py copy      # memory bandwidth three ways
+    python3 benchmarks/gpu_probes.py copy      # memory bandwidth (copy_bandwidth.py), bf16 and f32
     python3 benchmarks/gpu_probes.py pallas    # GPU kernel tiles x warps, per kernel
     python3 benchmarks/gpu_probes.py step      # whole steps: xla and pallas per tile
     python3 benchmarks/gpu_probes.py head      # fused LM head: chunk rows x dW blocking
@@ -11,14 +11,18 @@ Each prints one JSON line per measurement and a table. Times are medians after w
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import sys
 
+import copy_bandwidth
 import jax
 import jax.numpy as jnp
 from timing import median_ms
 
-N, V = int(__import__("os").environ.get("PROBE_N", 2048)), int(__import__("os").environ.get("PROBE_V", 151643))
+# The issue's B=1, T=2048 logits shape; PROBE_N / PROBE_V shrink it for a CPU smoke run.
+N, V = int(os.environ.get("PROBE_N", 2048)), int(os.environ.get("PROBE_V", 151643))
 
 
 def emit(**row) -> None:
@@ -26,35 +30,10 @@ def emit(**row) -> None:
 
 
 def copy() -> None:
-    rows = 4096
     for dtype in (jnp.bfloat16, jnp.float32):
-        xs = [jax.random.normal(jax.random.PRNGKey(i), (rows, V), jnp.float32).astype(dtype)
-              for i in range(2)]
-        nbytes = 2 * xs[0].nbytes
-        for name, fn in (("x+1", lambda x: x + jnp.asarray(1, x.dtype)),
-                         ("x*2", lambda x: x * jnp.asarray(2, x.dtype))):
-            f = jax.jit(fn)
-            k = iter(range(10 ** 9))
-            ms = median_ms(lambda: f(xs[next(k) % 2]), 30, 5)
-            emit(section="copy", how=f"jax {name}", dtype=str(jnp.dtype(dtype)), ms=ms,
-                 tb_per_s=nbytes / ms / 1e9)
-        del xs
-    try:
-        import torch
-    except ImportError:
-        return
-    for dtype in (torch.bfloat16, torch.float32):
-        x = torch.randn(rows, V, device="cuda").to(dtype)
-        y = torch.empty_like(x)
-
-        def run():
-            y.copy_(x)
-            torch.cuda.synchronize()
-        ms = median_ms(run, 30, 5)
-        emit(section="copy", how="torch copy_", dtype=str(dtype), ms=ms,
-             tb_per_s=2 * x.numel() * x.element_size() / ms / 1e9)
-        del x, y
-        torch.cuda.empty_cache()
+        for r in copy_bandwidth.measure(4096, V, dtype, 30, 5):
+            emit(section="copy", how=r["how"], dtype=r["dtype"], ms=r["median_ms"],
+                 tb_per_s=r["bandwidth_bytes_per_s"] / 1e12)
 
 
 def pallas() -> None:
@@ -65,29 +44,26 @@ def pallas() -> None:
     coef = jax.random.normal(keys[3], (N,), jnp.float32)
     nb = zs[0].nbytes
     ref_lse = None
-    for bv in (1024, 2048, 4096, 8192):
-        for warps in (2, 4, 8):
-            for stages in (1,):
-                blocks = G.GpuBlocks(bv, warps, stages)
-                try:
-                    stats = jax.jit(lambda z, b=blocks: G.row_statistics(z, ids, 1.0, b))
-                    grad = jax.jit(lambda z, lse, b=blocks: G.logits_gradient(
-                        z, ids, lse, coef, 1.0, b))
-                    _, lse, _ = stats(zs[0])
-                    if ref_lse is None:
-                        ref_lse = lse
-                    err = float(jnp.max(jnp.abs(lse - ref_lse)))
-                    k = iter(range(10 ** 9))
-                    s_ms = median_ms(lambda: stats(zs[next(k) % 2]), 20, 3)
-                    g_ms = median_ms(lambda: grad(zs[next(k) % 2], lse), 20, 3)
-                except Exception as e:  # a config Triton rejects is a result too
-                    emit(section="pallas", block_vocab=bv, warps=warps, stages=stages,
-                         error=f"{type(e).__name__}: {str(e)[:200]}")
-                    continue
-                emit(section="pallas", block_vocab=bv, warps=warps, stages=stages,
-                     stats_ms=s_ms, stats_tb_s=nb / s_ms / 1e9, grad_ms=g_ms,
-                     grad_tb_s=2 * nb / g_ms / 1e9, total_ms=s_ms + g_ms,
-                     total_tb_s=3 * nb / (s_ms + g_ms) / 1e9, lse_max_abs_diff=err)
+    for bv, warps in itertools.product((1024, 2048, 4096, 8192), (2, 4, 8)):
+        blocks = G.GpuBlocks(bv, warps)
+        try:
+            stats = jax.jit(lambda z, b=blocks: G.row_statistics(z, ids, 1.0, b))
+            grad = jax.jit(lambda z, lse, b=blocks: G.logits_gradient(z, ids, lse, coef, 1.0, b))
+            _, lse, _ = stats(zs[0])
+            if ref_lse is None:
+                ref_lse = lse
+            err = float(jnp.max(jnp.abs(lse - ref_lse)))
+            k = iter(range(10 ** 9))
+            s_ms = median_ms(lambda: stats(zs[next(k) % 2]), 20, 3)
+            g_ms = median_ms(lambda: grad(zs[next(k) % 2], lse), 20, 3)
+        except Exception as e:  # a config Triton rejects is a result too
+            emit(section="pallas", block_vocab=bv, warps=warps,
+                 error=f"{type(e).__name__}: {str(e)[:200]}")
+            continue
+        emit(section="pallas", block_vocab=bv, warps=warps, stats_ms=s_ms,
+             stats_tb_s=nb / s_ms / 1e9, grad_ms=g_ms, grad_tb_s=2 * nb / g_ms / 1e9,
+             total_ms=s_ms + g_ms, total_tb_s=3 * nb / (s_ms + g_ms) / 1e9,
+             lse_max_abs_diff=err)
 
 
 def step() -> None:

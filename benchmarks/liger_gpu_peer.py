@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -36,16 +34,11 @@ from grpo_kernels.ops.logits_loss.inputs import random_inputs  # noqa: E402
 
 
 def torch_median_ms(torch, fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
+    """:func:`timing.median_ms` of ``fn`` with the CUDA queue drained inside each call."""
+    def synced():
         fn()
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return median_ms(synced, iters, warmup)
 
 
 def main(argv: list[str] | None = None) -> int:

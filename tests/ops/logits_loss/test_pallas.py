@@ -179,8 +179,8 @@ def test_tpu_kernels_lower_at_the_real_shapes(b, dtype):
 @pytest.mark.parametrize("b,t", [(1, 2048), (4, 1024)])
 def test_gpu_kernels_lower_for_cuda(b, t):
     """The Triton kernels lower at the GPU benchmark shapes (the CPU jaxlib emits Triton IR):
-    each kernel as a call over the full 4096-column tiles and one over the ragged tail
-    (151,643 = 37 x 4096 + 91)."""
+    each kernel as a call over the full 8192-column tiles and one over the ragged tail
+    (151,643 = 18 x 8192 + 4187)."""
     try:
         exported = _export_value_and_grad(b, t, 151_643, jnp.bfloat16, "cuda", "gpu")
     except ValueError as e:

@@ -68,18 +68,22 @@ def block_stats(s: Array, m: Array | None = None, keepdims: bool = False) -> Sta
     return m[..., 0], total[..., 0], q[..., 0]
 
 
+def _rebase(m: Array, total: Array, q: Array, c_safe: Array) -> tuple[Array, Array]:
+    """``(S, Q)`` of a part with shift ``m`` moved to the shift ``c_safe``:
+
+    ``sum e^{s-c} = e^{m-c} S``,  ``sum e^{s-c}(s-c) = e^{m-c} (Q + S (m-c))``; an empty part
+    (``S = 0``, ``m = -inf``) stays empty.
+    """
+    scale = jnp.where(total > 0, jnp.exp(m - c_safe), 0.0)
+    return scale * total, scale * (q + jnp.where(total > 0, total * (m - c_safe), 0.0))
+
+
 def merge_stats(a: Stats, b: Stats) -> Stats:
     """Online-softmax merge of two ``(m, S, Q)`` triples over disjoint parts of a row."""
     (ma, sa, qa), (mb, sb, qb) = a, b
     m = jnp.maximum(ma, mb)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-
-    def rebase(mx, sx, qx):
-        # sum e^{s-m'} = e^{m_x-m'} S_x;  sum e^{s-m'}(s-m') = e^{m_x-m'} (Q_x + S_x (m_x-m'))
-        scale = jnp.where(sx > 0, jnp.exp(mx - m_safe), 0.0)
-        return scale * sx, scale * (qx + jnp.where(sx > 0, sx * (mx - m_safe), 0.0))
-
-    (sa, qa), (sb, qb) = rebase(ma, sa, qa), rebase(mb, sb, qb)
+    (sa, qa), (sb, qb) = _rebase(ma, sa, qa, m_safe), _rebase(mb, sb, qb, m_safe)
     return m, sa + sb, qa + qb
 
 
@@ -87,11 +91,8 @@ def reduce_stats(m: Array, total: Array, q: Array, axis: int = -1) -> Stats:
     """:func:`merge_stats` folded over ``axis``: the triples of disjoint parts of a row (e.g.
     one per vocabulary tile, laid out along ``axis``) merged into the row's triple."""
     c = jnp.max(m, axis=axis, keepdims=True)
-    c_safe = jnp.where(jnp.isfinite(c), c, 0.0)
-    scale = jnp.where(total > 0, jnp.exp(m - c_safe), 0.0)
-    q = q + jnp.where(total > 0, total * (m - c_safe), 0.0)
-    return (jnp.squeeze(c, axis), jnp.sum(scale * total, axis=axis),
-            jnp.sum(scale * q, axis=axis))
+    total, q = _rebase(m, total, q, jnp.where(jnp.isfinite(c), c, 0.0))
+    return jnp.squeeze(c, axis), jnp.sum(total, axis=axis), jnp.sum(q, axis=axis)
 
 
 def finish(m: Array, total: Array, q: Array, chosen: Array) -> Stats:

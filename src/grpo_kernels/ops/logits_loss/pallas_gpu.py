@@ -44,12 +44,11 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class GpuBlocks:
-    """Tiling of the GPU kernels: vocabulary tile per program (a power of two), warps per
-    program, and Triton's pipelining depth (no loop is left to pipeline; kept for probes)."""
+    """Tiling of the GPU kernels: vocabulary tile per program (a power of two) and warps per
+    program."""
 
     block_vocab: int
     num_warps: int
-    num_stages: int = 2
 
 
 def plan_blocks(vocab: int, block_vocab: int | None = None) -> GpuBlocks:
@@ -118,7 +117,8 @@ def _specs(vocab: int, ragged: bool):
 
 
 def _params(blocks: GpuBlocks):
-    return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    # No loop runs inside a program, so Triton's pipelining depth has nothing to act on.
+    return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=2)
 
 
 def row_statistics(z: Array, ids: Array, temperature: float, blocks: GpuBlocks,
