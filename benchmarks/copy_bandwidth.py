@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from timing import median_ms
 
-from grpo_kernels.ops.logits_loss.inputs import parse_dtype
+from grpo_kernels.ops.core.dtypes import parse_dtype
 
 
 def measure(rows: int, vocab: int, dtype: Any, iters: int, warmup: int) -> Iterator[dict]:

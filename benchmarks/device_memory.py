@@ -26,7 +26,8 @@ import jax.numpy as jnp
 
 from grpo_kernels import GRPOLossConfig, PallasOptions, grpo_loss, grpo_loss_from_hidden
 from grpo_kernels.ops.lm_head_loss.inputs import random_head_inputs
-from grpo_kernels.ops.logits_loss.inputs import parse_dtype, random_inputs
+from grpo_kernels.ops.core.dtypes import parse_dtype
+from grpo_kernels.ops.logits_loss.inputs import random_inputs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.op == "logits":
         # Donated logits can take dlogits only where the kernel writes into its input.
-        extra = ({"block_sizes": PallasOptions(alias_logits=True)}
+        extra = ({"options": PallasOptions(alias_logits=True)}
                  if args.donate and args.impl == "pallas" else {})
 
         def loss(z):

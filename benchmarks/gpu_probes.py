@@ -68,17 +68,17 @@ def pallas() -> None:
 
 def step() -> None:
     """Whole value_and_grad steps: xla and pallas at block_vocab 1024-8192, both shapes."""
-    from grpo_kernels import GRPOLossConfig, PallasOptions, grpo_loss
+    from grpo_kernels import GRPOLossConfig, PallasBlockSizes, PallasOptions, grpo_loss
     from grpo_kernels.ops.logits_loss.inputs import random_inputs
     for b, t in ((1, 2048), (4, 1024)):
         cfg = GRPOLossConfig()
         inp = random_inputs(0, b, t, V, jnp.bfloat16, cfg)
         variants = [("xla", None)] + [("pallas", bv) for bv in (1024, 2048, 4096, 8192)]
         for impl, bv in variants:
-            opts = PallasOptions(block_vocab=bv) if bv else None
+            opts = PallasOptions(blocks=PallasBlockSizes(block_vocab=bv)) if bv else None
             f = jax.jit(jax.value_and_grad(lambda z: grpo_loss(
                 z, inp.ids, inp.mask, inp.advantages, config=cfg, impl=impl,
-                block_sizes=opts, **inp.kwargs()), has_aux=True))
+                options=opts, **inp.kwargs()), has_aux=True))
             ms = median_ms(lambda: f(inp.logits), 20, 3)
             emit(section="step", batch=b, time=t, impl=impl, block_vocab=bv, ms=ms,
                  tb_s=3 * inp.logits.nbytes / ms / 1e9)
@@ -106,7 +106,7 @@ def head() -> None:
                 return grpo_loss_from_hidden(
                     h, w, inp.ids, inp.mask, inp.advantages, config=cfg, impl="xla",
                     old_logps=inp.old_logps, ref_logps=inp.ref_logps,
-                    block_sizes=LmHeadBlockSizes(chunk_tokens=chunk))
+                    options=LmHeadBlockSizes(chunk_tokens=chunk))
             step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
             compiled = step.lower(inp.hidden, inp.lm_head).compile()
             temp = compiled.memory_analysis().temp_size_in_bytes

@@ -56,7 +56,7 @@ def loss_fn(ids, mask, adv, logps, cfg, layout, rows, **kw):
         return grpo_loss_from_hidden(h, w, ids, mask, adv, config=cfg, impl="xla",
                                      old_logps=logps, ref_logps=logps if cfg.beta else None,
                                      lm_head_layout=layout,
-                                     block_sizes=LmHeadBlockSizes(chunk_tokens=rows), **kw)[0]
+                                     options=LmHeadBlockSizes(chunk_tokens=rows), **kw)[0]
     return f
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from grpo_kernels import GRPOLossConfig, grpo_loss
 from grpo_kernels.ops.logits_loss import xla as X
-from grpo_kernels.ops.logits_loss.online_softmax import block_stats, sweep
+from grpo_kernels.ops.core.online_softmax import block_stats, sweep
 
 
 def timed(fn, make_args, iters):

@@ -1,10 +1,15 @@
 """grpo_kernels: fast, memory-light GRPO policy losses for JAX."""
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.ops.lm_head_loss import (LmHeadBlockSizes, LmHeadPallasOptions,
-                                           grpo_loss_from_hidden)
-from grpo_kernels.ops.logits_loss import PallasOptions, XlaBlockSizes, grpo_loss
+from grpo_kernels.ops.lm_head_loss import (
+    LmHeadBlockSizes,
+    LmHeadPallasBlockSizes,
+    LmHeadPallasOptions,
+    grpo_loss_from_hidden,
+)
+from grpo_kernels.ops.logits_loss import PallasBlockSizes, PallasOptions, XlaBlockSizes, grpo_loss
 
 __version__ = "0.1.0"
-__all__ = ["GRPOLossConfig", "LmHeadBlockSizes", "LmHeadPallasOptions", "PallasOptions",
-           "XlaBlockSizes", "grpo_loss", "grpo_loss_from_hidden", "__version__"]
+__all__ = ["GRPOLossConfig", "LmHeadBlockSizes", "LmHeadPallasBlockSizes", "LmHeadPallasOptions",
+           "PallasBlockSizes", "PallasOptions", "XlaBlockSizes", "grpo_loss",
+           "grpo_loss_from_hidden", "__version__"]

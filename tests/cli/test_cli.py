@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import pytest
 
 from grpo_kernels.cli.main import main
-from grpo_kernels.ops.logits_loss import IMPLEMENTATIONS, xla_grpo_loss
+from grpo_kernels.ops.logits_loss import IMPLEMENTATIONS
+from grpo_kernels.ops.logits_loss.xla import xla_grpo_loss
 
 
 def run_json(capsys, argv):

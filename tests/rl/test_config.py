@@ -48,11 +48,43 @@ def test_defaults_and_round_trip():
     ({"logging": {"wandb_mode": "cloud"}}, "logging.wandb_mode"),
     ({"mesh": {"shape": {"dp": 2}, "vocab_axis": "tp"}}, "mesh"),
     ({"mesh": {"shape": {"dp": 3}}}, "train.micro_batch_size"),
+    ({"loss": {"head": "lm"}}, "loss.head"),
+    ({"train": {"keep_checkpoints": 0}}, "train.keep_checkpoints"),
+    ({"model": {"param_dtype": "f16"}}, "model.param_dtype"),
+    ({"model": {"source": "random", "tokenizer": "x", "random": {"hidden": 3}}},
+     "model.random.hidden"),
+    ({"model": {"source": "random", "tokenizer": "x",
+                "random": {"num_heads": 4, "num_kv_heads": 3}}}, "model.random.num_kv_heads"),
+    ({"model": {"source": "random", "tokenizer": "x", "random": {"family": "gpt2"}}},
+     "model.random.family"),
+    ({"rewards": {"functions": [{"name": "format"}, {"name": "x"}]}},
+     "rewards.functions[1].name"),
 ])
 def test_bad_values_name_the_key(values, key):
     with pytest.raises(ValueError) as e:
         TrainConfig.from_dict(values)
     assert str(e.value).startswith(key), str(e.value)
+
+
+def test_old_loss_impl_spelling_names_the_new_keys():
+    with pytest.raises(ValueError, match="loss.impl: 'lm_head_fused' is now two keys: "
+                                         "loss.head: fused and loss.impl: xla"):
+        TrainConfig.from_dict({"loss": {"impl": "lm_head_fused"}})
+
+
+def test_sections_validate_on_construction():
+    from grpo_kernels.rl.config import LossSection, RandomModelSection, RolloutSection
+
+    with pytest.raises(ValueError, match="rollout.batch_size: 3 is not divisible"):
+        RolloutSection(batch_size=3)
+    with pytest.raises(ValueError, match="model.random.head_dim"):
+        RandomModelSection(head_dim=0)
+    assert LossSection(head="fused", impl="auto").arm == "fused-auto"
+
+
+def test_dtype_spellings():
+    c = TrainConfig.from_dict({"model": {"param_dtype": "bf16", "compute_dtype": "f32"}})
+    assert (c.model.param_dtype, c.model.compute_dtype) == ("bf16", "f32")
 
 
 def test_replace_validates_again():

@@ -39,10 +39,11 @@ def _batch(rows=4, seed=0, old=False, ref=False):
                  old_logps=logps() if old else None, ref_logps=logps() if ref else None)
 
 
-def _grads(impl, config, batch, micro, dtype=jnp.float32):
+def _grads(arm, config, batch, micro, dtype=jnp.float32):
     model = _model(dtype)
     graphdef, state = nnx.split(model)
-    grad_fn, _ = make_programs(graphdef, impl=impl, config=config, prompt_width=P)
+    head, impl = arm
+    grad_fn, _ = make_programs(graphdef, head=head, impl=impl, config=config, prompt_width=P)
     grad_fn = jax.jit(grad_fn)
     total_tokens = int(batch.mask.sum())
     loss, grads = 0.0, None
@@ -63,20 +64,21 @@ def test_micro_batches_equal_the_full_batch(loss_type, level):
     config = GRPOLossConfig(loss_type=loss_type, importance_sampling_level=level, beta=0.04,
                             max_completion_length=C, temperature=0.8)
     batch = _batch(old=True, ref=True)
-    full_loss, full = _grads("reference", config, batch, micro=4)
-    acc_loss, acc = _grads("reference", config, batch, micro=2)
+    full_loss, full = _grads(("logits", "reference"), config, batch, micro=4)
+    acc_loss, acc = _grads(("logits", "reference"), config, batch, micro=2)
     assert np.isfinite(full_loss) and full_loss != 0
     np.testing.assert_allclose(acc_loss, full_loss, rtol=2e-6, atol=2e-7)
     for a, b in zip(jax.tree.leaves(acc), jax.tree.leaves(full)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("impl", ["xla", "lm_head_fused"])
-def test_impls_agree_with_the_reference(impl):
+@pytest.mark.parametrize("arm", [("logits", "xla"), ("fused", "xla"), ("fused", "pallas")],
+                         ids=lambda a: "-".join(a))
+def test_impls_agree_with_the_reference(arm):
     config = GRPOLossConfig(beta=0.04, epsilon_high=0.28)
     batch = _batch(rows=4, seed=1, old=True, ref=True)
-    ref_loss, ref = _grads("reference", config, batch, micro=2)
-    loss, got = _grads(impl, config, batch, micro=2)
+    ref_loss, ref = _grads(("logits", "reference"), config, batch, micro=2)
+    loss, got = _grads(arm, config, batch, micro=2)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         scale = float(np.abs(np.asarray(b)).max())
@@ -88,7 +90,8 @@ def test_logp_program_returns_the_policy_logps():
     graphdef, state = nnx.split(model)
     config = GRPOLossConfig(beta=0.04)
     batch = _batch(rows=3, seed=2)
-    _, logp_fn = make_programs(graphdef, impl="lm_head_fused", config=config, prompt_width=P)
+    _, logp_fn = make_programs(graphdef, head="fused", impl="xla", config=config,
+                               prompt_width=P)
     mb = {k: None if v is None else jnp.asarray(v) for k, v in batch.micro(0, 3).items()}
     got = np.asarray(jax.jit(logp_fn)(state, mb))
     logits = np.asarray(model(jnp.asarray(batch.ids[:, :-1]),

@@ -10,7 +10,8 @@ import pytest
 
 from grpo_kernels.cli.main import main
 from grpo_kernels.rl.config import TrainConfig
-from grpo_kernels.rl.trainer import Trainer, load_policy, read_metrics
+from grpo_kernels.rl.run_dir import read_metrics
+from grpo_kernels.rl.trainer import Trainer
 
 
 def _tokenizer_path():
@@ -46,7 +47,7 @@ def _values(run_dir, **sections):
         "optim": {"learning_rate": 1e-3, "warmup_steps": 1},
         "train": {"steps": 4, "micro_batch_size": 2, "run_dir": str(run_dir),
                   "checkpoint_every": 2},
-        "loss": {"impl": "lm_head_fused", "options": {"beta": 0.04}},
+        "loss": {"head": "fused", "impl": "xla", "options": {"beta": 0.04}},
         "logging": {"wandb_mode": "disabled"},
     }
     for key, value in sections.items():
@@ -99,11 +100,11 @@ def test_metrics_and_resume_after_a_crash(tmp_path):
 def test_resume_refuses_another_config(tmp_path):
     import yaml
 
-    from grpo_kernels.rl.trainer import CONFIG_FILE, _check_resumable
+    from grpo_kernels.rl.run_dir import CONFIG_FILE, check_resumable
 
     first = TrainConfig.from_dict(_values(tmp_path, train={"steps": 1}))
     (tmp_path / CONFIG_FILE).write_text(yaml.safe_dump(first.to_dict()))
-    _check_resumable(str(tmp_path), first.replace(**{"train.steps": 9}))  # may grow
+    check_resumable(str(tmp_path), first.replace(**{"train.steps": 9}).to_dict())  # may grow
     other = first.replace(**{"optim.learning_rate": 0.5})
     with pytest.raises(ValueError, match=r"different config \(changed: \['optim.learning_rate'\]"):
         Trainer(other, progress=False).run()
@@ -115,15 +116,15 @@ def test_ab_command_writes_report_and_plot(tmp_path, capsys):
     import yaml
 
     config.write_text(yaml.safe_dump(values))
-    assert main(["ab", "--config", str(config), "--impls", "reference,lm_head_fused",
+    assert main(["ab", "--config", str(config), "--arms", "logits-reference,fused-xla",
                  "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "step 1 rollouts identical: True" in out
     assert "step 1 |loss difference|" in out and ": ok" in out and "FAIL" not in out
     assert os.path.getsize(tmp_path / "ab" / "ab_curves.png") > 10_000
     assert (tmp_path / "ab" / "ab_report.md").read_text().startswith("# GRPO A/B")
-    a = read_metrics(str(tmp_path / "ab" / "reference"))
-    b = read_metrics(str(tmp_path / "ab" / "lm_head_fused"))
+    a = read_metrics(str(tmp_path / "ab" / "logits-reference"))
+    b = read_metrics(str(tmp_path / "ab" / "fused-xla"))
     assert a[0]["reward/mean"] == b[0]["reward/mean"]
     np.testing.assert_allclose(a[0]["loss"], b[0]["loss"], atol=1e-4)
 
@@ -154,9 +155,11 @@ def test_train_command_reports_config_errors(tmp_path, capsys, argv, message):
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
-def test_ab_rejects_bad_impls(capsys):
-    assert main(["ab", "--impls", "reference"]) == 2
-    assert "--impls must name two or more" in capsys.readouterr().err
+@pytest.mark.parametrize("arms", ["logits-reference", "logits-reference,lm_head_fused",
+                                  "logits-xla,logits-xla"])
+def test_ab_rejects_bad_arms(capsys, arms):
+    assert main(["ab", "--arms", arms]) == 2
+    assert "--arms must name two or more different HEAD-IMPL pairs" in capsys.readouterr().err
 
 
 def test_help_of_each_command(capsys):
@@ -165,13 +168,6 @@ def test_help_of_each_command(capsys):
             main([command, "--help"])
         assert e.value.code == 0
         assert "--config" in capsys.readouterr().out
-
-
-def test_random_model_shape_errors_name_the_key(tmp_path):
-    values = _values(tmp_path)
-    values["model"]["random"] = {"family": "llama", "hidden_size": 32}
-    with pytest.raises(ValueError, match="model.random"):
-        load_policy(TrainConfig.from_dict(values))
 
 
 def test_eval_command_on_generated_problems(tmp_path, capsys):

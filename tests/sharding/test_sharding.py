@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from grpo_kernels import (
     GRPOLossConfig,
     LmHeadPallasOptions,
+    PallasBlockSizes,
     PallasOptions,
     grpo_loss,
     grpo_loss_from_hidden,
@@ -111,9 +112,11 @@ def test_logits_sharded_reference_equals_one_device(m, cfg):
 
 
 def test_logits_pallas_gpu_kernel_sharded():
-    """The Triton kernel's program (interpreted) under the vocab split, with a ragged tile."""
+    """The Triton kernel's program (interpreted) under the vocab split: each shard's columns
+    are one masked tile wider than the shard."""
     got = _sharded_logits(MESHES[1], FEW[1], "pallas",
-                          block_sizes=PallasOptions(kernel="gpu", block_vocab=16))
+                          options=PallasOptions(kernel="gpu",
+                                                        blocks=PallasBlockSizes(block_vocab=128)))
     _check(*got)
 
 
@@ -330,7 +333,7 @@ def test_tpu_kernels_lower_under_shard_map(op):
         def f(z, ids, mask, adv, ref):
             return sharded_grpo_loss(z, ids, mask, adv, mesh=mesh, sharding=spec, config=cfg,
                                      impl="pallas", ref_logps=ref,
-                                     block_sizes=PallasOptions(kernel="tpu", interpret=False))
+                                     options=PallasOptions(kernel="tpu", interpret=False))
         argnums, kernels = (0,), 2
     else:
         args = [s((b, t, h), jnp.bfloat16, spec.rows(3)),
@@ -339,7 +342,7 @@ def test_tpu_kernels_lower_under_shard_map(op):
         def f(hh, w, ids, mask, adv, ref):
             return sharded_grpo_loss_from_hidden(
                 hh, w, ids, mask, adv, mesh=mesh, sharding=spec, config=cfg, impl="pallas",
-                ref_logps=ref, block_sizes=LmHeadPallasOptions(interpret=False))
+                ref_logps=ref, options=LmHeadPallasOptions(interpret=False))
         argnums, kernels = (0, 1), 3
     step = jax.jit(jax.value_and_grad(f, argnums=argnums, has_aux=True))
     exported = jax.export.export(step, platforms=["tpu"])(*args)

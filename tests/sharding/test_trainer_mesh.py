@@ -14,11 +14,11 @@ def test_mesh_step_equals_one_device(tmp_path):
 
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-    impl = "lm_head_fused"
+    loss = {"head": "fused", "impl": "xla"}
     mesh = {"shape": {"dp": 2, "tp": 2}, "batch_axes": ["dp"], "vocab_axis": "tp"}
-    base = _values(tmp_path / "one", train={"steps": 1}, loss={"impl": impl})
+    base = _values(tmp_path / "one", train={"steps": 1}, loss=loss)
     one = Trainer(TrainConfig.from_dict(base), progress=False).run()[0]
-    sharded = _values(tmp_path / "mesh", train={"steps": 1}, loss={"impl": impl})
+    sharded = _values(tmp_path / "mesh", train={"steps": 1}, loss=loss)
     sharded["mesh"] = mesh
     got = Trainer(TrainConfig.from_dict(sharded), progress=False).run()[0]
     assert got["reward/mean"] == one["reward/mean"]

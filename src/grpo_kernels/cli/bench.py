@@ -16,7 +16,8 @@ import jax
 from grpo_kernels.cli import common
 from grpo_kernels.cli import mesh as mesh_flags
 from grpo_kernels.ops.logits_loss import IMPLEMENTATIONS, grpo_loss
-from grpo_kernels.ops.logits_loss.inputs import parse_dtype, random_inputs
+from grpo_kernels.ops.core.dtypes import parse_dtype
+from grpo_kernels.ops.logits_loss.inputs import random_inputs
 from grpo_kernels.sharding import sharded_grpo_loss
 
 _MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
@@ -162,7 +163,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--time", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="bfloat16", type=common.dtype_arg,
+                   help="logits dtype: bf16 | bfloat16 | f32 | float32 (default bfloat16)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

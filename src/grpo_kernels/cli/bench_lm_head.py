@@ -23,7 +23,7 @@ from grpo_kernels.ops.lm_head_loss import (
     grpo_loss_from_hidden,
 )
 from grpo_kernels.ops.lm_head_loss.inputs import random_head_inputs
-from grpo_kernels.ops.logits_loss.inputs import parse_dtype
+from grpo_kernels.ops.core.dtypes import parse_dtype
 from grpo_kernels.sharding import sharded_grpo_loss_from_hidden
 
 
@@ -73,7 +73,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", type=common.dtype_arg,
+                   help="operand dtype: bf16 | bfloat16 | f32 | float32 (default float32)")
     p.add_argument("--layout", default="hv", choices=LAYOUTS, help="lm_head layout")
     p.add_argument("--chunk-tokens", type=int, help="xla chunk rows (default: planned)")
     p.add_argument("--iters", type=int, default=5)
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     def step_for(impl: str, on_mesh: bool = True):
         kw: dict[str, Any] = {}
         if impl == "xla" and args.chunk_tokens:
-            kw["block_sizes"] = LmHeadBlockSizes(chunk_tokens=args.chunk_tokens)
+            kw["options"] = LmHeadBlockSizes(chunk_tokens=args.chunk_tokens)
         if sharded and on_mesh:
             kw.update(mesh=sharded[0], sharding=sharded[1])
             op = sharded_grpo_loss_from_hidden

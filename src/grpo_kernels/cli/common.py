@@ -11,8 +11,19 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from grpo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GRPOLossConfig
+from grpo_kernels.ops.core.dtypes import DTYPE_CHOICES, dtype_name
 
 WANDB_MODES = ("disabled", "offline", "online")
+
+
+def dtype_arg(text: str) -> str:
+    """``--dtype``: any accepted spelling (bf16, bfloat16, f32, float32) -> its canonical
+    name, so records and tables always say ``bfloat16`` / ``float32``."""
+    try:
+        return dtype_name(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be one of {list(DTYPE_CHOICES)}, "
+                                         f"got {text!r}") from None
 
 
 def load_yaml(path: str) -> dict[str, Any]:

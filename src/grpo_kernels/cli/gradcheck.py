@@ -16,7 +16,8 @@ import numpy as np
 from grpo_kernels.cli import common
 from grpo_kernels.config import LOSS_TYPES, GRPOLossConfig
 from grpo_kernels.ops.logits_loss import IMPLEMENTATIONS, grpo_loss
-from grpo_kernels.ops.logits_loss.inputs import parse_dtype, random_inputs
+from grpo_kernels.ops.core.dtypes import parse_dtype
+from grpo_kernels.ops.logits_loss.inputs import random_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +137,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int)
     p.add_argument("--time", type=int)
     p.add_argument("--vocab", type=int)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", type=common.dtype_arg,
+                   help="bf16 | bfloat16 | f32 | float32")
     p.add_argument("--seed", type=int)
     p.add_argument("--noise", type=float, help="std of old/ref logp noise (default 0.1)")
     p.add_argument("--grid", action="store_true",

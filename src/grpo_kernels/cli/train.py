@@ -54,7 +54,7 @@ def run_train(args: argparse.Namespace) -> int:
     from grpo_kernels.rl.trainer import Trainer
 
     config = load_config(args, **{"train.run_dir": args.run_dir, "train.steps": args.steps,
-                                  "loss.impl": args.impl})
+                                  "loss.head": args.head, "loss.impl": args.impl})
     records = Trainer(config, progress=not args.no_progress).run()
     last = records[-1] if records else None
     if last:
@@ -64,31 +64,40 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_arms(text: str) -> list[tuple[str, str]]:
+    """``"logits-reference,fused-auto"`` -> ``[("logits", "reference"), ("fused", "auto")]``."""
+    from grpo_kernels.rl.config import LOSS_HEADS, LOSS_IMPLS
+
+    arms = [s.strip() for s in text.split(",") if s.strip()]
+    good = [f"{h}-{i}" for h in LOSS_HEADS for i in LOSS_IMPLS]
+    bad = [a for a in arms if a not in good]
+    if len(arms) < 2 or bad or len(set(arms)) < len(arms):
+        raise ValueError(f"--arms must name two or more different HEAD-IMPL pairs of {good}, "
+                         f"got {text!r}")
+    return [tuple(a.split("-", 1)) for a in arms]
+
+
 def run_ab(args: argparse.Namespace) -> int:
     import jax
 
-    from grpo_kernels.rl.config import LOSS_IMPLS
     from grpo_kernels.rl.report import ab_report
     from grpo_kernels.rl.trainer import Trainer
 
-    impls = [s.strip() for s in args.impls.split(",") if s.strip()]
-    bad = [i for i in impls if i not in LOSS_IMPLS]
-    if len(impls) < 2 or bad:
-        raise ValueError(f"--impls must name two or more of {list(LOSS_IMPLS)}, got "
-                         f"{args.impls!r}")
+    arms = parse_arms(args.arms)
     base = load_config(args, **{"train.steps": args.steps, "train.run_dir": args.run_dir})
-    configs = {impl: base.replace(**{"loss.impl": impl, "train.run_dir": os.path.join(
-        base.train.run_dir, impl)}) for impl in impls}  # all validated before any run starts
-    for impl, config in configs.items():
-        print(f"== {impl}: {config.train.run_dir}", file=sys.stderr)
+    configs = {f"{h}-{i}": base.replace(**{"loss.head": h, "loss.impl": i, "train.run_dir":
+                                           os.path.join(base.train.run_dir, f"{h}-{i}")})
+               for h, i in arms}  # all validated before any run starts
+    for arm, config in configs.items():
+        print(f"== {arm}: {config.train.run_dir}", file=sys.stderr)
         trainer = Trainer(config, progress=not args.no_progress)
         trainer.run()
         del trainer
         gc.collect()
         jax.clear_caches()
-    md, png, _ = ab_report({i: c.train.run_dir for i, c in configs.items()},
+    md, png, _ = ab_report({a: c.train.run_dir for a, c in configs.items()},
                            base.train.run_dir, title=args.title or
-                           f"GRPO A/B: {', '.join(impls)} ({base.train.steps} steps)")
+                           f"GRPO A/B: {', '.join(configs)} ({base.train.steps} steps)")
     with open(md, encoding="utf-8") as f:
         print(f.read())
     print(f"report: {md}\ncurves: {png}")
@@ -133,24 +142,27 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: Any) -> None:
-    from grpo_kernels.rl.config import LOSS_IMPLS
+    from grpo_kernels.rl.config import LOSS_HEADS, LOSS_IMPLS
 
     p = sub.add_parser("train", help="GRPO training run from a YAML config",
                        description="GRPO training: rollout, rewards, advantages, update with "
-                       "the loss implementation of loss.impl; resumes from the run dir's last "
+                       "the loss of loss.head and loss.impl; resumes from the run dir's last "
                        "checkpoint. Writes metrics.jsonl, samples.jsonl, W&B files and "
                        "checkpoints into train.run_dir.")
     _common(p)
+    p.add_argument("--head", choices=LOSS_HEADS, help="override loss.head")
     p.add_argument("--impl", choices=LOSS_IMPLS, help="override loss.impl")
     p.set_defaults(run=run_train)
 
-    p = sub.add_parser("ab", help="the same GRPO run with several loss implementations, and "
-                       "a report", description="Runs the config once per --impls entry (same "
-                       "seed; run dirs RUN_DIR/<impl>), then writes RUN_DIR/ab_report.md and "
-                       "RUN_DIR/ab_curves.png. The first implementation is the baseline.")
+    p = sub.add_parser("ab", help="the same GRPO run with several losses, and a report",
+                       description="Runs the config once per --arms entry (same seed; run "
+                       "dirs RUN_DIR/<arm>), then writes RUN_DIR/ab_report.md and "
+                       "RUN_DIR/ab_curves.png. The first arm is the baseline.")
     _common(p)
-    p.add_argument("--impls", default="reference,lm_head_fused",
-                   help="comma-separated loss.impl values (default: reference,lm_head_fused)")
+    p.add_argument("--arms", default="logits-reference,fused-xla",
+                   help="comma-separated HEAD-IMPL pairs: loss.head (logits | fused) and "
+                   "loss.impl (auto | reference | xla | pallas) (default: "
+                   "logits-reference,fused-xla)")
     p.add_argument("--title", help="title of the report and plot")
     p.set_defaults(run=run_ab)
 

@@ -3,13 +3,14 @@ batch's normalisers, and the compiled programs of one update.
 
 A batch row is ``[prompt (left-padded to P) | completion (C)]``. The decoder runs on the row but
 its last token; the hidden states at positions ``P-1 .. P+C-2`` predict the completion tokens,
-and only those ``[N, C, H]`` states reach the head. ``loss.impl`` picks the head + loss:
+and only those ``[N, C, H]`` states reach the head. ``loss.head`` picks the op and ``loss.impl``
+its implementation (``auto``, ``reference``, ``xla`` or ``pallas``):
 
-- ``reference``, ``xla``, ``pallas``: float32 logits ``[N, C, V]`` from ``model.logits``, then
-  :func:`grpo_kernels.grpo_loss` with that implementation;
-- ``lm_head_fused``: :func:`grpo_kernels.grpo_loss_from_hidden` (``impl="xla"``) on the hidden
-  states and the head in the compute dtype, with float32 logits formed a chunk at a time: the
-  same numbers as ``reference`` (bf16 operands, float32 accumulation) without ``[N, C, V]``.
+- ``logits``: float32 logits ``[N, C, V]`` from ``model.logits``, then
+  :func:`grpo_kernels.grpo_loss`;
+- ``fused``: :func:`grpo_kernels.grpo_loss_from_hidden` on the hidden states and the head in
+  the compute dtype, with float32 logits (bf16 operands, float32 accumulation: the numbers of
+  ``logits``) formed a chunk at a time, without ``[N, C, V]``.
 
 Gradient accumulation keeps TRL's loss exact for the whole batch of ``B`` rows and ``K`` real
 completion tokens: a micro-batch of ``M`` rows and ``k`` tokens contributes its loss times
@@ -85,7 +86,7 @@ def completion_hidden(model: Any, ids: Array, attention: Array, prompt_width: in
     return hidden[:, prompt_width - 1:]
 
 
-def loss_on(model: Any, mb: dict[str, Any], *, impl: str, config: GRPOLossConfig,
+def loss_on(model: Any, mb: dict[str, Any], *, head: str, impl: str, config: GRPOLossConfig,
             prompt_width: int, num_items: Array | None = None, mesh: Any = None,
             sharding: Any = None) -> tuple[Array, dict[str, Array]]:
     """The GRPO loss of a micro-batch (the micro-batch's own normalisers) and its metrics."""
@@ -100,15 +101,16 @@ def loss_on(model: Any, mb: dict[str, Any], *, impl: str, config: GRPOLossConfig
         fused, plain = sharded_grpo_loss_from_hidden, sharded_grpo_loss
     else:
         fused, plain = grpo_loss_from_hidden, grpo_loss
-    if impl == "lm_head_fused":
-        head = model.head().astype(model.config.compute_dtype)
-        return fused(hidden, head, targets, mb["mask"], mb["advantages"], impl="xla",
+    if head == "fused":
+        weights = model.head().astype(model.config.compute_dtype)
+        return fused(hidden, weights, targets, mb["mask"], mb["advantages"], impl=impl,
                      lm_head_layout="vh", logits_dtype=jnp.float32, **extra)
     return plain(model.logits(hidden), targets, mb["mask"], mb["advantages"], impl=impl,
                  **extra)
 
 
-def make_programs(graphdef: Any, *, impl: str, config: GRPOLossConfig, prompt_width: int,
+def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig,
+                  prompt_width: int,
                   mesh: Any = None, sharding: Any = None) -> tuple[Callable, Callable]:
     """``(grad_fn, logp_fn)`` for one prompt width, to be jitted.
 
@@ -117,8 +119,9 @@ def make_programs(graphdef: Any, *, impl: str, config: GRPOLossConfig, prompt_wi
     """
     def scaled_loss(state, mb, scale, num_items):
         model = nnx.merge(graphdef, state)
-        loss, metrics = loss_on(model, mb, impl=impl, config=config, prompt_width=prompt_width,
-                                num_items=num_items, mesh=mesh, sharding=sharding)
+        loss, metrics = loss_on(model, mb, head=head, impl=impl, config=config,
+                                prompt_width=prompt_width, num_items=num_items, mesh=mesh,
+                                sharding=sharding)
         keep = {name: metrics[name] for name in METRIC_NAMES}
         return scale * loss, keep
 
@@ -129,8 +132,8 @@ def make_programs(graphdef: Any, *, impl: str, config: GRPOLossConfig, prompt_wi
     def logp_fn(state, mb):
         model = nnx.merge(graphdef, state)
         mb = {**mb, "old_logps": None, "ref_logps": None}
-        _, metrics = loss_on(model, mb, impl=impl, config=no_kl, prompt_width=prompt_width,
-                             mesh=mesh, sharding=sharding)
+        _, metrics = loss_on(model, mb, head=head, impl=impl, config=no_kl,
+                             prompt_width=prompt_width, mesh=mesh, sharding=sharding)
         return jax.lax.stop_gradient(metrics["logp"])
 
     return grad_fn, logp_fn

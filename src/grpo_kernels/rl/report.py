@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from grpo_kernels.rl.trainer import read_metrics
+from grpo_kernels.rl.run_dir import read_metrics
 
 # step 1: the loss gate of gradcheck's bfloat16 tolerances, and its relative gradient gate
 # (plus an absolute floor: with all-equal rewards the gradient is rounding noise near 0)

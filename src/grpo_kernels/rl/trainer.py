@@ -3,7 +3,7 @@
 One step: sample ``rollout.batch_size`` completions (``num_generations`` per prompt) from the
 current policy, score them, form group advantages, then ``train.ppo_epochs`` optimizer updates on
 that batch, each accumulating gradients over micro-batches. The loss implementation is
-``loss.impl``; everything else is the same for every implementation, so an A/B of two runs with
+``loss.head`` and ``loss.impl``; everything else is the same for every implementation, so an A/B of two runs with
 one seed differs only in the loss.
 
 Resuming: the problems of step ``s`` and its sampling seed depend only on ``(seed, s)``, and a
@@ -14,102 +14,32 @@ continues from its last checkpoint exactly as if it had never stopped.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
-import os
-import resource
 import time
-import uuid
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import yaml
 from flax import nnx
 
-from grpo_kernels.models.config import ModelConfig
 from grpo_kernels.models.decoder import Decoder
+from grpo_kernels.models.loading import load_policy as _load_policy
 from grpo_kernels.models.sampling import generate
 from grpo_kernels.rl import data as data_lib
 from grpo_kernels.rl import rewards as rewards_lib
+from grpo_kernels.rl.checkpoint import Checkpoints
 from grpo_kernels.rl.config import TrainConfig
 from grpo_kernels.rl.policy import METRIC_NAMES, Batch, make_programs, micro_scale
+from grpo_kernels.rl.run_dir import RunDir, device_peak_bytes, peak_rss_bytes
 
 Array = jax.Array
-METRICS_FILE = "metrics.jsonl"
-SAMPLES_FILE = "samples.jsonl"
-CONFIG_FILE = "config.yaml"
-# keys of the config that may change between a run and its resumption
-RESUMABLE_CHANGES = ("train.steps", "logging.wandb_mode")
-
-
-# --- model --------------------------------------------------------------------------------
-
-def _dtype(name: str) -> Any:
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
-
-
-def _truncate(model: Decoder, num_layers: int | None) -> Decoder:
-    if num_layers is None or num_layers >= model.config.num_layers:
-        return model
-    model.layers = nnx.List(list(model.layers)[:num_layers])
-    model.config = model.config.replace(num_layers=num_layers)
-    return model
-
-
-@functools.lru_cache(maxsize=4)
-def _tokenizer(path: str, mtime: float) -> Any:
-    """The tokenizer of a GGUF file or tokenizer directory, read once per process (a GGUF's
-    vocabulary takes seconds to parse); ``mtime`` keys a changed file anew."""
-    from grpo_kernels.models.tokenizer import TextTokenizer
-
-    del mtime
-    return (TextTokenizer.from_gguf(path) if os.path.isfile(path)
-            else TextTokenizer.from_dir(path))
 
 
 def load_policy(config: TrainConfig) -> tuple[Decoder, Any]:
-    """``(model, tokenizer)`` that ``config.model`` names.
-
-    Raises:
-      ValueError: a missing path (naming the key, the path and what it should hold), or what
-        the loaders raise for bad files.
-    """
-    from grpo_kernels.models.gguf_loader import load_gguf, smollm2_path
-    from grpo_kernels.models.hf import load_hf_checkpoint
-
-    m = config.model
-    dtypes = dict(param_dtype=_dtype(m.param_dtype), compute_dtype=_dtype(m.compute_dtype))
-    if m.source in ("smollm2", "gguf"):
-        path = smollm2_path() if m.source == "smollm2" else m.path
-        if not os.path.isfile(path):
-            raise ValueError(f"model.path {path!r}: no such file (expected a .gguf file)")
-        _, model = load_gguf(path, remat=m.remat, **dtypes)
-        default_tokenizer = path
-    elif m.source == "hf":
-        if not os.path.isdir(m.path):
-            raise ValueError(f"model.path {m.path!r}: no such directory (expected a Hugging "
-                             "Face checkpoint: config.json and *.safetensors)")
-        _, model = load_hf_checkpoint(m.path, remat=m.remat, **dtypes)
-        default_tokenizer = m.path
-    else:
-        default_tokenizer = None
-    tok_path = m.tokenizer or default_tokenizer
-    if not os.path.exists(tok_path):
-        raise ValueError(f"model.tokenizer {tok_path!r}: no such file or directory (expected a "
-                         "directory with tokenizer.json, or a GGUF file)")
-    tokenizer = _tokenizer(tok_path, os.path.getmtime(tok_path))
-    if m.source == "random":
-        shape = dict(m.random)
-        shape.setdefault("vocab_size", tokenizer.tokenizer.get_vocab_size())
-        try:
-            model_config = ModelConfig(**shape, **dtypes)
-        except TypeError as e:
-            raise ValueError(f"model.random: {e}") from None
-        model = Decoder(model_config, nnx.Rngs(config.seed), remat=m.remat)
-    return _truncate(model, m.num_layers), tokenizer
+    """``(model, tokenizer)`` that ``config.model`` names (:func:`grpo_kernels.models.loading.
+    load_policy` with the section's fields)."""
+    return _load_policy(**dataclasses.asdict(config.model), seed=config.seed)
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
@@ -129,108 +59,6 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
 def step_seed(seed: int, step: int) -> int:
     """The sampling seed of step ``step``: a function of ``(seed, step)`` only."""
     return int(np.random.default_rng([seed, step]).integers(2 ** 31 - 1))
-
-
-# --- bookkeeping ----------------------------------------------------------------------------
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (Linux reports KiB)."""
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def device_peak_bytes() -> int | None:
-    """``peak_bytes_in_use`` of the first device when the backend reports it (GPU, TPU)."""
-    stats = jax.devices()[0].memory_stats()
-    return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
-
-
-def read_jsonl(path: str) -> list[dict[str, Any]]:
-    """The records of a JSONL file, blank lines skipped."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def truncate_jsonl(path: str, step: int) -> list[dict[str, Any]]:
-    """Keeps the lines of a per-step JSONL file up to ``step`` (the checkpoint a run resumes
-    from; later steps are run again) and returns them."""
-    kept = []
-    if os.path.isfile(path):
-        kept = [r for r in read_jsonl(path) if r.get("step", 0) <= step]
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in kept)
-    return kept
-
-
-class MetricsLog:
-    """Per-step metrics: a JSONL file (flushed every step) and optionally W&B."""
-
-    def __init__(self, run_dir: str, config: TrainConfig, resume_step: int):
-        self.path = os.path.join(run_dir, METRICS_FILE)
-        self.records = truncate_jsonl(self.path, resume_step)
-        self.file = open(self.path, "a", encoding="utf-8")
-        self.wandb = None
-        mode = config.logging.wandb_mode
-        if mode != "disabled":
-            try:
-                import wandb
-            except ImportError:
-                raise ValueError(f"logging.wandb_mode={mode!r} needs the wandb package "
-                                 "(pip install wandb), or set it to 'disabled'") from None
-            id_file = os.path.join(run_dir, "wandb_id")
-            if os.path.isfile(id_file):
-                with open(id_file, encoding="utf-8") as f:
-                    run_id = f.read().strip()
-            else:
-                run_id = uuid.uuid4().hex[:12]
-                with open(id_file, "w", encoding="utf-8") as f:
-                    f.write(run_id)
-            os.environ.setdefault("WANDB_SILENT", "true")
-            self.wandb = wandb.init(
-                project=config.logging.wandb_project, dir=run_dir, mode=mode, id=run_id,
-                name=config.logging.run_name or os.path.basename(os.path.normpath(run_dir)),
-                config=config.to_dict(), resume="allow")
-
-    def write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if k != "step"},
-                           step=record["step"])
-
-    def close(self) -> None:
-        self.file.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-    path = os.path.join(run_dir, METRICS_FILE)
-    if not os.path.isfile(path):
-        raise ValueError(f"{path}: no metrics (was the run started?)")
-    return read_jsonl(path)
-
-
-def _check_resumable(run_dir: str, config: TrainConfig) -> None:
-    path = os.path.join(run_dir, CONFIG_FILE)
-    if not os.path.isfile(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        saved = yaml.safe_load(f)
-    new = config.to_dict()
-    changed = [key for key in _diff_keys(saved, new) if key not in RESUMABLE_CHANGES]
-    if changed:
-        raise ValueError(f"train.run_dir {run_dir!r} holds a run with a different config "
-                         f"(changed: {changed}); resume with the same config or choose "
-                         "another run_dir")
-
-
-def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for key in sorted(set(a) | set(b)):
-            out += _diff_keys(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else key)
-        return out
-    return [] if a == b else [prefix]
 
 
 # --- the trainer ----------------------------------------------------------------------------
@@ -286,7 +114,8 @@ class Trainer:
         key = (kind, prompt_width, str(shapes))
         if key not in self._programs:
             grad_fn, logp_fn = make_programs(
-                self.graphdef, impl=self.config.loss.impl, config=self.loss_config,
+                self.graphdef, head=self.config.loss.head, impl=self.config.loss.impl,
+                config=self.loss_config,
                 prompt_width=prompt_width, mesh=self.mesh, sharding=self.sharding)
             fn = grad_fn if kind == "grad" else logp_fn
             compiled = jax.jit(fn).lower(*args).compile()
@@ -400,35 +229,19 @@ class Trainer:
 
     # --- checkpoints ----------------------------------------------------------------------
 
-    def _manager(self) -> Any:
-        import orbax.checkpoint as ocp
+    def checkpoints(self) -> Checkpoints:
+        return Checkpoints(self.config.train.run_dir, self.config.train.keep_checkpoints)
 
-        directory = os.path.abspath(os.path.join(self.config.train.run_dir, "checkpoints"))
-        return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
-            max_to_keep=self.config.train.keep_checkpoints, create=True))
-
-    def _tree(self) -> dict[str, Any]:
-        return {"params": jax.tree.leaves(self.state), "opt": jax.tree.leaves(self.opt_state)}
-
-    def save(self, manager: Any, step: int) -> None:
-        import orbax.checkpoint as ocp
-
-        manager.save(step, args=ocp.args.StandardSave(self._tree()), force=True)
-        manager.wait_until_finished()
-
-    def restore(self, manager: Any = None) -> int:
+    def restore(self, checkpoints: Checkpoints | None = None) -> int:
         """Loads the latest checkpoint of ``run_dir``; returns its step (0 when there is
         none)."""
-        import orbax.checkpoint as ocp
-
-        manager = manager or self._manager()
-        step = manager.latest_step()
-        if step is None:
-            return 0
-        tree = manager.restore(step, args=ocp.args.StandardRestore(self._tree()))
-        self.state = jax.tree.unflatten(jax.tree.structure(self.state), tree["params"])
-        self.opt_state = jax.tree.unflatten(jax.tree.structure(self.opt_state), tree["opt"])
-        return int(step)
+        ckpt = checkpoints or self.checkpoints()
+        try:
+            step, self.state, self.opt_state = ckpt.restore(self.state, self.opt_state)
+        finally:
+            if checkpoints is None:
+                ckpt.close()
+        return step
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -445,40 +258,25 @@ class Trainer:
         from tqdm.auto import tqdm
 
         c = self.config
-        run_dir = c.train.run_dir
-        os.makedirs(run_dir, exist_ok=True)
-        _check_resumable(run_dir, c)
-        with open(os.path.join(run_dir, CONFIG_FILE), "w", encoding="utf-8") as f:
-            yaml.safe_dump(c.to_dict(), f, sort_keys=False)
-        manager = self._manager()
-        start = self.restore(manager)
-        log = MetricsLog(run_dir, c, start)
-        samples_path = os.path.join(run_dir, SAMPLES_FILE)
-        truncate_jsonl(samples_path, start)
-        samples = open(samples_path, "a", encoding="utf-8")
-        step_times = [r.get("time/train/step_s", 0.0) for r in log.records][-10:]
-        records = []
-        bar = tqdm(total=c.train.steps, initial=start, desc=f"train {c.loss.impl}",
-                   disable=not self.progress, dynamic_ncols=True)
-        step = start
+        run = RunDir(c.train.run_dir, c.to_dict(), wandb_mode=c.logging.wandb_mode,
+                     wandb_project=c.logging.wandb_project, run_name=c.logging.run_name)
+        run.prepare()
+        ckpt = self.checkpoints()
+        records: list[dict[str, Any]] = []
+        bar = None
         try:
+            start = self.restore(ckpt)
+            run.open(start)
+            step_times = [r.get("time/train/step_s", 0.0) for r in run.records][-10:]
+            bar = tqdm(total=c.train.steps, initial=start, desc=f"train {c.loss.arm}",
+                       disable=not self.progress, dynamic_ncols=True)
             for step in range(start, c.train.steps):
                 if stop_after is not None and step >= stop_after:
                     break
                 record, sample = self.train_step(step)
                 step_times = (step_times + [record["time/train/step_s"]])[-10:]
-                record["time/train/step_avg_last10_s"] = float(np.mean(step_times))
-                record["throughput/tokens_per_s"] = record["tokens"] / record["time/train/step_s"]
-                record["memory/update_temp_bytes"] = self.update_temp_bytes
-                record["memory/peak_rss_bytes"] = peak_rss_bytes()
-                device = device_peak_bytes()
-                if device is not None:
-                    record["memory/device_peak_bytes"] = device
-                record["memory/peak_bytes"] = device if device is not None \
-                    else self.update_temp_bytes
-                log.write(record)
-                samples.write(json.dumps({"step": step + 1, **sample}) + "\n")
-                samples.flush()
+                record.update(self._bookkeeping(record, step_times))
+                run.write(record, sample)
                 records.append(record)
                 bar.update(1)
                 bar.set_postfix(reward=f"{record['reward/mean']:.3f}",
@@ -486,15 +284,26 @@ class Trainer:
                                 step_s=f"{record['time/train/step_s']:.1f}")
                 done = step + 1
                 if done % c.train.checkpoint_every == 0 or done == c.train.steps:
-                    self.save(manager, done)
+                    ckpt.save(done, self.state, self.opt_state)
         except KeyboardInterrupt:  # keep what finished: a checkpoint at the last full step
-            done = len(records) + start
-            if done > start:
-                self.save(manager, done)
+            if records:
+                ckpt.save(records[-1]["step"], self.state, self.opt_state)
             raise
         finally:
-            bar.close()
-            log.close()
-            samples.close()
-            manager.close()
+            if bar is not None:
+                bar.close()
+            run.close()
+            ckpt.close()
         return records
+
+    def _bookkeeping(self, record: dict[str, Any], step_times: list[float]) -> dict[str, Any]:
+        """Time, throughput and memory figures of a step's record."""
+        out = {"time/train/step_avg_last10_s": float(np.mean(step_times)),
+               "throughput/tokens_per_s": record["tokens"] / record["time/train/step_s"],
+               "memory/update_temp_bytes": self.update_temp_bytes,
+               "memory/peak_rss_bytes": peak_rss_bytes()}
+        device = device_peak_bytes()
+        if device is not None:
+            out["memory/device_peak_bytes"] = device
+        out["memory/peak_bytes"] = device if device is not None else self.update_temp_bytes
+        return out

@@ -6,18 +6,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_kernels import (GRPOLossConfig, LmHeadBlockSizes, LmHeadPallasOptions,
+from grpo_kernels import (GRPOLossConfig, LmHeadBlockSizes, LmHeadPallasBlockSizes,
+                          LmHeadPallasOptions,
                           grpo_loss_from_hidden)
 from grpo_kernels.config import LOSS_TYPES
 from grpo_kernels.ops.lm_head_loss import pallas_tpu
-from grpo_kernels.ops.lm_head_loss import xla as xla_impl
-from grpo_kernels.ops.lm_head_loss.xla import delta_dtype, plan_chunk
+from grpo_kernels.ops.lm_head_loss import xla_sweep
+from grpo_kernels.ops.lm_head_loss.head import delta_dtype
+from grpo_kernels.ops.lm_head_loss.xla import plan_chunk
 from tests.helpers import as64, rel_err
 from tests.oracle import oracle
 
 B, T, H, V = 2, 13, 256, 1000
 SMALL = {"xla": LmHeadBlockSizes(chunk_tokens=8),  # 26 rows: 3 full chunks and a tail of 2
-         "pallas": LmHeadPallasOptions(block_rows=16, block_vocab=256, block_hidden=128)}
+         "pallas": LmHeadPallasOptions(blocks=LmHeadPallasBlockSizes(block_rows=16, block_vocab=256,
+                                                                 block_hidden=128))}
 
 
 def make_inputs(seed, b=B, t=T, h=H, v=V, dtype=jnp.float32, layout="hv", bias=False,
@@ -38,8 +41,8 @@ def make_inputs(seed, b=B, t=T, h=H, v=V, dtype=jnp.float32, layout="hv", bias=F
 
 def run(impl, inputs, cfg, layout="hv", **kw):
     hidden, w, ids, mask, adv, extra, bias = inputs
-    if impl in SMALL and "block_sizes" not in kw:
-        kw["block_sizes"] = SMALL[impl]
+    if impl in SMALL and "options" not in kw:
+        kw["options"] = SMALL[impl]
 
     def f(hh, ww, bb):
         return grpo_loss_from_hidden(hh, ww, ids, mask, adv, config=cfg, impl=impl,
@@ -106,8 +109,8 @@ def test_layouts_and_bias(impl, layout, bias):
 def test_dweight_blocks_with_a_tail(monkeypatch, layout):
     """dW goes over blocks of its rows into an [H, V] accumulator (transposed once for "vh"):
     H = 256 in two full blocks of 104 rows and a tail of 48, with chunked rows and a bias."""
-    monkeypatch.setattr(xla_impl, "DWEIGHT_ELEMENTS", 104 * V + 7)
-    assert xla_impl.dweight_rows(H, V) == 104
+    monkeypatch.setattr(xla_sweep, "DWEIGHT_ELEMENTS", 104 * V + 7)
+    assert xla_sweep.dweight_rows(H, V) == 104
     cfg = GRPOLossConfig(beta=0.04)
     assert_close("xla", make_inputs(11, layout=layout, bias=True), cfg, layout)
 
@@ -131,7 +134,7 @@ def test_f32_error_at_a_larger_shape():
     """The issue's f32 gate (rel err of dhidden and dW <= 1e-5) with real chunking."""
     cfg = GRPOLossConfig(beta=0.04)
     assert_close("xla", make_inputs(5, b=2, t=160, h=128, v=4099), cfg,
-                 block_sizes=LmHeadBlockSizes(chunk_tokens=64))
+                 options=LmHeadBlockSizes(chunk_tokens=64))
 
 
 def test_bf16_within_one_rounding_of_the_logits():
@@ -192,7 +195,7 @@ def _temp_bytes(impl, n_tokens, vocab=4096, hidden=256, dtype=jnp.float32, beta=
     def f(h, w):
         return grpo_loss_from_hidden(h, w, ids, mask, adv, config=cfg, impl=impl,
                                      old_logps=old, ref_logps=old if beta else None,
-                                     block_sizes=blocks)
+                                     options=blocks)
 
     step = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
     return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
@@ -223,7 +226,7 @@ def test_round_to_bfloat16_matches_astype_bit_for_bit():
     high = bits & np.uint32(0xFFFF0000)
     x = np.concatenate([bits] + [high | np.uint32(d) for d in (0x7FFF, 0x8000, 0x8001)]
                        ).view(np.float32)
-    ours = np.asarray(jax.jit(xla_impl.round_to_bfloat16)(x))
+    ours = np.asarray(jax.jit(xla_sweep.round_to_bfloat16)(x))
     want = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
     normal = np.isfinite(x) & (np.abs(x) >= np.finfo(np.float32).tiny) & (np.abs(x) < 2.0**100)
     assert normal.sum() > 300_000
@@ -242,7 +245,7 @@ def test_chunk_stats_blocks_match_whole_rows(block):
     s = rng.normal(size=(6, 1000)) * 3.0
     s[:, rng.choice(1000, 300, replace=False)] = -np.inf
     s[2, :200] = -np.inf
-    m, total, q = jax.jit(lambda x: xla_impl.chunk_stats(x, block))(jnp.asarray(s, jnp.float32))
+    m, total, q = jax.jit(lambda x: xla_sweep.chunk_stats(x, block))(jnp.asarray(s, jnp.float32))
     m64 = s.max(axis=1, keepdims=True)
     e = np.exp(s - m64)
     lse = (m64 + np.log(e.sum(axis=1, keepdims=True)))[:, 0]
@@ -276,7 +279,7 @@ def test_plan_chunk():
     (dict(logits_dtype="int8"), "logits_dtype must be None, bfloat16"),
     (dict(impl="triton"), "impl must be one of"),
     (dict(ids_shape=(B, T + 1)), r"ids must have shape \[B, T\]"),
-    (dict(block_sizes=LmHeadPallasOptions()), "block_sizes must be LmHeadBlockSizes"),
+    (dict(options=LmHeadPallasOptions()), "options must be LmHeadBlockSizes"),
 ])
 def test_bad_input_names_the_argument(kwargs, match):
     kwargs = dict(kwargs)
@@ -293,12 +296,19 @@ def test_bad_input_names_the_argument(kwargs, match):
 
 
 def test_pallas_options_validation():
-    with pytest.raises(ValueError, match="multiple of 128"):
-        LmHeadPallasOptions(block_vocab=200)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        LmHeadPallasOptions(block_rows=8)
+    with pytest.raises(ValueError, match="LmHeadPallasBlockSizes.block_vocab must be a multiple of 128"):
+        LmHeadPallasBlockSizes(block_vocab=200)
+    with pytest.raises(ValueError, match="LmHeadPallasBlockSizes.block_rows must be a multiple of 16"):
+        LmHeadPallasBlockSizes(block_rows=8)
+    with pytest.raises(ValueError, match="LmHeadPallasOptions.vmem_limit_bytes"):
+        LmHeadPallasOptions(vmem_limit_bytes=0)
+    with pytest.raises(ValueError, match="LmHeadPallasOptions.blocks must be None or an"):
+        LmHeadPallasOptions(blocks=LmHeadBlockSizes())
+    with pytest.raises(ValueError, match="LmHeadPallasOptions.interpret"):
+        LmHeadPallasOptions(interpret="no")
     with pytest.raises(ValueError, match="must divide H"):
-        pallas_tpu.plan_tiles(64, 384, 1000, LmHeadPallasOptions(block_hidden=256))
+        pallas_tpu.plan_tiles(64, 384, 1000, LmHeadPallasOptions(
+            blocks=LmHeadPallasBlockSizes(block_hidden=256)))
 
 
 @pytest.mark.parametrize("layout", ["hv", "vh"])
@@ -315,7 +325,7 @@ def test_tpu_kernels_lower_at_the_real_shape(layout):
     def f(hidden, w, ids, mask, adv, old, ref):
         return grpo_loss_from_hidden(hidden, w, ids, mask, adv, config=cfg, impl="pallas",
                                      old_logps=old, ref_logps=ref, lm_head_layout=layout,
-                                     block_sizes=LmHeadPallasOptions(interpret=False))
+                                     options=LmHeadPallasOptions(interpret=False))
 
     step = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
     exported = jax.export.export(step, platforms=["tpu"])(*args)

@@ -97,7 +97,7 @@ def test_block_sizes_match_the_impl():
 
     for impl, blocks in (("reference", XlaBlockSizes()), ("pallas", XlaBlockSizes()),
                          ("xla", PallasOptions())):
-        with pytest.raises(ValueError, match="block_sizes must be XlaBlockSizes for impl='xla'"):
-            grpo_loss(**good(), config=CFG, impl=impl, block_sizes=blocks)
+        with pytest.raises(ValueError, match="options must be XlaBlockSizes for impl='xla'"):
+            grpo_loss(**good(), config=CFG, impl=impl, options=blocks)
     with pytest.raises(ValueError, match="XlaBlockSizes.chunk_tokens must be None or an int >= 1"):
         XlaBlockSizes(chunk_tokens=0)

@@ -11,7 +11,7 @@ from grpo_kernels import GRPOLossConfig, XlaBlockSizes, grpo_loss
 from grpo_kernels.config import LOSS_TYPES
 from grpo_kernels.ops.logits_loss import IMPLEMENTATIONS
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
-from grpo_kernels.ops.logits_loss.reference import token_logp_and_entropy
+from grpo_kernels.ops.core.reference import token_logp_and_entropy
 from tests.oracle import oracle
 from tests.helpers import as64, grid_id, loss_grid, rel_err, value_and_grad
 
@@ -56,7 +56,7 @@ def test_xla_chunking_and_vocab_blocks(level, blocks, dtype):
     """Ragged token chunks and vocab blocks (V = 301 is a multiple of none of them)."""
     cfg = GRPOLossConfig(importance_sampling_level=level, beta=0.04, temperature=0.7)
     inp = random_inputs(12, B, T, V, dtype, cfg, noise=0.3)
-    assert_matches_reference("xla", inp, cfg, block_sizes=blocks)
+    assert_matches_reference("xla", inp, cfg, options=blocks)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -71,7 +71,7 @@ def test_hypothesis_shapes(b, t, v, loss_type, level, chunk, block_v, seed):
                          max_completion_length=t)
     inp = random_inputs(seed, b, t, v, jnp.float32, cfg, noise=0.3)
     assert_matches_reference("xla", inp, cfg,
-                             block_sizes=XlaBlockSizes(chunk_tokens=chunk, block_vocab=block_v))
+                             options=XlaBlockSizes(chunk_tokens=chunk, block_vocab=block_v))
 
 
 @pytest.mark.parametrize("impl", ["reference", *FAST])
@@ -170,7 +170,7 @@ def test_xla_never_holds_a_float32_copy_of_the_logits():
 
 
 def test_integer_bfloat16_rounding_matches_astype_bit_for_bit():
-    from grpo_kernels.ops.logits_loss.xla import to_bfloat16
+    from grpo_kernels.ops.core.dtypes import to_bfloat16
 
     bits = np.random.default_rng(7).integers(0, 2**32, size=200_000, dtype=np.uint64)
     special = np.array([np.inf, -np.inf, 0.0, -0.0, 1e-40, -3e-42, 3.3e38, -3.39e38, 1.0 + 2**-8,

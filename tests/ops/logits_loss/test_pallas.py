@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 
-from grpo_kernels import GRPOLossConfig, PallasOptions, grpo_loss
+from grpo_kernels import GRPOLossConfig, PallasBlockSizes, PallasOptions, grpo_loss
 from grpo_kernels.ops.logits_loss import pallas_tpu
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
 from tests.helpers import grid_id, loss_grid_split, rel_err, value_and_grad
@@ -26,9 +26,8 @@ def small_blocks(kernel: str, dtype) -> PallasOptions:
     """Blocks small enough that the test shapes have full row blocks, leftover rows, full
     vocabulary tiles and a ragged last tile."""
     if kernel == "tpu":
-        return PallasOptions(kernel="tpu", block_rows=16 if dtype == jnp.bfloat16 else 8,
-                             block_vocab=128)
-    return PallasOptions(kernel="gpu", block_vocab=128)
+        return PallasOptions(kernel="tpu", blocks=PallasBlockSizes(block_rows=16, block_vocab=128))
+    return PallasOptions(kernel="gpu", blocks=PallasBlockSizes(block_vocab=128))
 
 
 # Each kernel runs the whole grid; the dtype alternates over it (tests.helpers.loss_grid_split:
@@ -41,7 +40,7 @@ def small_blocks(kernel: str, dtype) -> PallasOptions:
                   for c, d in loss_grid_split(7)])
 def test_grid_matches_reference(kernel, cfg, dtype):
     inp = random_inputs(21, 3, 7, 1000, dtype, cfg)  # 21 rows: 16 in full blocks + leftovers
-    assert_matches_reference("pallas", inp, cfg, block_sizes=small_blocks(kernel, dtype))
+    assert_matches_reference("pallas", inp, cfg, options=small_blocks(kernel, dtype))
 
 
 SHAPES = list(itertools.product((1, 3, 8), (1, 7, 130), (17, 1000, 32768 + 5)))
@@ -57,9 +56,10 @@ def test_odd_shapes_match_reference(kernel, b, t, v):
     inp = random_inputs(b * 1000 + t, b, t, v, dtype, cfg)
     opts = small_blocks(kernel, dtype)
     if v > 1000:  # fewer interpreted grid steps at the large vocabulary
-        opts = PallasOptions(kernel=kernel, block_vocab=4096 if kernel == "gpu" else 2048,
-                             block_rows=None if kernel == "gpu" else 64)
-    assert_matches_reference("pallas", inp, cfg, block_sizes=opts)
+        opts = PallasOptions(kernel=kernel, blocks=PallasBlockSizes(
+            block_vocab=4096 if kernel == "gpu" else 2048,
+            block_rows=None if kernel == "gpu" else 64))
+    assert_matches_reference("pallas", inp, cfg, options=opts)
 
 
 def test_default_blocks_and_auto_kernel():
@@ -99,12 +99,12 @@ def test_dlogits_into_the_donated_logits_buffer(kernel):
     cfg = GRPOLossConfig(loss_type="bnpo")
     inp = random_inputs(8, 4, 8, 300, jnp.bfloat16, cfg)  # 32 rows: two full blocks of 16
     _, _, want = value_and_grad("reference", inp, cfg)
-    opts = PallasOptions(kernel=kernel, alias_logits=True, block_rows=16 if kernel == "tpu"
-                         else None, block_vocab=128)
+    opts = PallasOptions(kernel=kernel, alias_logits=True, blocks=PallasBlockSizes(
+        block_rows=16 if kernel == "tpu" else None, block_vocab=128))
 
     def fn(z):
         return grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="pallas",
-                         block_sizes=opts, **inp.kwargs())[0]
+                         options=opts, **inp.kwargs())[0]
 
     step = jax.jit(jax.value_and_grad(fn), donate_argnums=0)
     _, got = step(inp.logits + 0)
@@ -124,28 +124,35 @@ def test_block_plan_heuristic():
 
 
 @pytest.mark.parametrize("bad,match", [
-    (dict(kernel="cuda"), "kernel"),
-    (dict(block_rows=0), "block_rows"),
-    (dict(block_rows=12), "multiple of 8"),
-    (dict(kernel="tpu", block_vocab=100), "multiple of 128"),
-    (dict(block_vocab=True), "block_vocab"),
+    (dict(kernel="cuda"), "PallasOptions.kernel"),
+    (dict(interpret="yes"), "PallasOptions.interpret"),
+    (dict(alias_logits=1), "PallasOptions.alias_logits"),
+    (dict(blocks=(16, 128)), "PallasOptions.blocks must be None or a PallasBlockSizes"),
 ])
 def test_bad_options(bad, match):
     with pytest.raises(ValueError, match=match):
         PallasOptions(**bad)
 
 
-def test_bad_block_sizes_for_the_impl():
+# Every rule holds whatever the kernel: a tiling valid on one chip is valid on the other.
+@pytest.mark.parametrize("bad,match", [
+    (dict(block_rows=0), "block_rows must be None or an int >= 1"),
+    (dict(block_rows=8), "block_rows must be a multiple of 16"),
+    (dict(block_vocab=100), "block_vocab must be a multiple of 128"),
+    (dict(block_vocab=384), "block_vocab must be a power of two"),
+    (dict(block_vocab=True), "block_vocab must be None or an int"),
+])
+def test_bad_block_sizes(bad, match):
+    with pytest.raises(ValueError, match="PallasBlockSizes." + match):
+        PallasBlockSizes(**bad)
+
+
+def test_options_must_fit_the_impl():
     cfg = GRPOLossConfig()
     inp = random_inputs(1, 1, 4, 50, jnp.bfloat16, cfg)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        value_and_grad("pallas", inp, cfg, block_sizes=PallasOptions(kernel="tpu", block_rows=8))
     with pytest.raises(ValueError, match="PallasOptions for impl='pallas'"):
         grpo_loss(inp.logits, inp.ids, inp.mask, inp.advantages, config=cfg, impl="xla",
-                  block_sizes=PallasOptions())
-    with pytest.raises(ValueError, match="power of two"):
-        value_and_grad("pallas", inp, cfg, block_sizes=PallasOptions(kernel="gpu",
-                                                                     block_vocab=384))
+                  options=PallasOptions())
 
 
 def _export_value_and_grad(b, t, v, dtype, platform, kernel):
@@ -156,7 +163,7 @@ def _export_value_and_grad(b, t, v, dtype, platform, kernel):
 
     def f(z, ids, mask, adv, old, ref):
         return grpo_loss(z, ids, mask, adv, config=cfg, impl="pallas", old_logps=old,
-                         ref_logps=ref, block_sizes=PallasOptions(kernel=kernel, interpret=False))
+                         ref_logps=ref, options=PallasOptions(kernel=kernel, interpret=False))
 
     step = jax.jit(jax.value_and_grad(f, has_aux=True))
     # Triton custom calls carry no serialization-compatibility promise; lowering is what counts.

@@ -8,25 +8,22 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.ops.lm_head_loss.pallas_tpu import (
-    LmHeadPallasOptions,
-    pallas_lm_head_loss,
-)
-from grpo_kernels.ops.lm_head_loss.reference import reference_lm_head_loss
-from grpo_kernels.ops.lm_head_loss.xla import (
-    LmHeadBlockSizes,
-    common_dtype,
-    xla_lm_head_loss,
-)
-from grpo_kernels.ops.logits_loss.api import (
-    _check_ids_in_range,
-    as_num_items,
+from grpo_kernels.ops.core.batch import TokenBatch
+from grpo_kernels.ops.core.dtypes import common_dtype
+from grpo_kernels.ops.core.validate import (
+    check_ids_in_range,
     resolve_impl,
-    validate_inputs,
+    shape_of,
+    validate_token_inputs,
 )
+from grpo_kernels.ops.lm_head_loss.head import LAYOUTS, HeadFormat
+from grpo_kernels.ops.lm_head_loss.pallas_tpu import LmHeadPallasOptions, pallas_lm_head_loss
+from grpo_kernels.ops.lm_head_loss.reference import reference_lm_head_loss
+from grpo_kernels.ops.lm_head_loss.xla import LmHeadBlockSizes, xla_lm_head_loss
 
 Array = jax.Array
 
+# Every implementation: fn(hidden, lm_head, bias, batch, config, fmt, options).
 IMPLEMENTATIONS: dict[str, Callable[..., tuple[Array, dict[str, Array]]]] = {
     "reference": reference_lm_head_loss,
     "xla": xla_lm_head_loss,
@@ -34,20 +31,19 @@ IMPLEMENTATIONS: dict[str, Callable[..., tuple[Array, dict[str, Array]]]] = {
 }
 IMPL_CHOICES: tuple[str, ...] = ("auto", *IMPLEMENTATIONS)
 OPTION_TYPES: dict[str, type] = {"xla": LmHeadBlockSizes, "pallas": LmHeadPallasOptions}
-LAYOUTS: tuple[str, ...] = ("hv", "vh")
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def _float_dtype(name: str, x: Any) -> None:
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    shape_of(name, x)
     if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
         raise ValueError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
 
 
 def validate_head(hidden: Any, lm_head: Any, layout: Any, bias: Any,
-                  logits_dtype: Any) -> tuple[int, jnp.dtype]:
-    """Checks the head arguments; returns ``(V, logits_dtype)``. ValueError names the argument.
+                  logits_dtype: Any) -> HeadFormat:
+    """Checks the head arguments; returns their :class:`HeadFormat` (``logits_dtype``
+    resolved). ValueError names the argument.
 
     Allowed dtypes: ``hidden``, ``lm_head`` and ``bias`` each bfloat16, float16 or float32, in
     any mix. Matmuls accumulate in float32; a mix computes in float32 (the narrower operand is
@@ -79,7 +75,7 @@ def validate_head(hidden: Any, lm_head: Any, layout: Any, bias: Any,
         if tuple(bias.shape) != (vocab,):
             raise ValueError(f"bias must have shape [V] = ({vocab},), got {tuple(bias.shape)}")
     if logits_dtype is None:
-        return vocab, common_dtype(hidden.dtype, lm_head.dtype)
+        return HeadFormat(layout, common_dtype(hidden.dtype, lm_head.dtype))
     try:
         resolved = jnp.dtype(logits_dtype)
     except TypeError:
@@ -87,7 +83,19 @@ def validate_head(hidden: Any, lm_head: Any, layout: Any, bias: Any,
     if resolved not in FLOAT_DTYPES:
         raise ValueError(f"logits_dtype must be None, bfloat16, float16 or float32, "
                          f"got {logits_dtype!r}")
-    return vocab, resolved
+    return HeadFormat(layout, resolved)
+
+
+def validate_call(hidden: Any, lm_head: Any, ids: Any, mask: Any, advantages: Any, config: Any,
+                  old_logps: Any, ref_logps: Any, layout: Any, bias: Any,
+                  logits_dtype: Any) -> HeadFormat:
+    """Every check of a fused call (the head's, then the logits-level ones on the logits it
+    would form); returns the head's format."""
+    fmt = validate_head(hidden, lm_head, layout, bias, logits_dtype)
+    b, t, _ = hidden.shape
+    validate_token_inputs(jax.ShapeDtypeStruct((b, t, fmt.vocab(lm_head)), fmt.logits_dtype),
+                          ids, mask, advantages, config, old_logps, ref_logps)
+    return fmt
 
 
 def default_impl(backend: str | None = None) -> str:
@@ -116,7 +124,7 @@ def grpo_loss_from_hidden(
     bias: Array | None = None,
     logits_dtype: Any = None,
     check_ids: bool = False,
-    block_sizes: LmHeadBlockSizes | LmHeadPallasOptions | None = None,
+    options: LmHeadBlockSizes | LmHeadPallasOptions | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     r"""GRPO loss from hidden states and LM-head weights, never materialising ``[B, T, V]``.
 
@@ -139,7 +147,8 @@ def grpo_loss_from_hidden(
       logits_dtype: Dtype of the logits the loss sees; ``None``: the common dtype of ``hidden``
         and ``lm_head`` (float32 for a mix). ``jnp.float32`` with bfloat16 inputs is an "f32
         head": no rounding of the logits.
-      block_sizes: ``LmHeadBlockSizes`` for ``xla``, ``LmHeadPallasOptions`` for ``pallas``.
+      options: ``LmHeadBlockSizes`` for ``xla``, ``LmHeadPallasOptions`` for ``pallas``,
+        ``None`` for defaults.
 
     Returns:
       ``(loss, metrics)`` as :func:`grpo_kernels.grpo_loss`; the loss is differentiable w.r.t.
@@ -148,17 +157,10 @@ def grpo_loss_from_hidden(
     Raises:
       ValueError: at trace time, naming the argument and the expected shape or dtype.
     """
-    vocab, logits_dtype = validate_head(hidden, lm_head, lm_head_layout, bias, logits_dtype)
-    b, t, _ = hidden.shape
-    validate_inputs(jax.ShapeDtypeStruct((b, t, vocab), logits_dtype), ids, mask, advantages,
-                    config, old_logps, ref_logps)
-    impl = resolve_impl(impl, block_sizes, OPTION_TYPES, default_impl)
+    fmt = validate_call(hidden, lm_head, ids, mask, advantages, config, old_logps, ref_logps,
+                        lm_head_layout, bias, logits_dtype)
+    impl = resolve_impl(impl, options, OPTION_TYPES, default_impl)
     if check_ids:
-        _check_ids_in_range(ids, mask, vocab)
-    kwargs: dict[str, Any] = dict(
-        config=config, old_logps=old_logps, ref_logps=ref_logps,
-        num_items_in_batch=as_num_items(num_items_in_batch),
-        lm_head_layout=lm_head_layout, bias=bias, logits_dtype=logits_dtype)
-    if impl in OPTION_TYPES:
-        kwargs["block_sizes"] = block_sizes
-    return IMPLEMENTATIONS[impl](hidden, lm_head, ids, mask, advantages, **kwargs)
+        check_ids_in_range(ids, mask, fmt.vocab(lm_head))
+    batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch)
+    return IMPLEMENTATIONS[impl](hidden, lm_head, bias, batch, config, fmt, options)

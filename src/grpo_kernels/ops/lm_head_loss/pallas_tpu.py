@@ -8,7 +8,7 @@ array:
   ``("parallel", "arbitrary", "arbitrary")``: the logits tile ``z = h W`` is accumulated over
   ``H`` in a VMEM float32 scratch; at the last ``H`` step it is cast to the logits dtype, scaled
   by ``1/tau`` and folded into the running online-softmax triple ``(m, S, Q)`` of each row
-  (:mod:`grpo_kernels.ops.logits_loss.online_softmax`), together with the chosen logit. The last
+  (:mod:`grpo_kernels.ops.core.online_softmax`), together with the chosen logit. The last
   vocabulary step writes ``logp``, ``lse`` and the entropy, ``[N, 1]`` float32 each.
 * :func:`head_gradients`: with ``c = g * cotangent / tau`` per row and
   ``delta = c (onehot(y) - e^{s - lse})`` recomputed per tile from ``h``, ``W`` and ``lse``:
@@ -41,19 +41,22 @@ from jax.experimental.pallas import tpu as pltpu
 
 from grpo_kernels.compat import out_struct
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.objective import loss_from_token_stats
-from grpo_kernels.ops.lm_head_loss.xla import common_dtype, delta_dtype
-from grpo_kernels.ops.lm_head_loss.xla import matmul as _dot
-from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, merge_stats
-from grpo_kernels.ops.logits_loss.xla import zero_cotangent
+from grpo_kernels.ops.core.batch import TokenBatch
+from grpo_kernels.ops.core.dtypes import common_dtype
+from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats
+from grpo_kernels.ops.core.options import check_int, check_interpret, resolved_interpret
+from grpo_kernels.ops.core.validate import backend_kind
+from grpo_kernels.ops.core.vjp import loss_with_gradient
+from grpo_kernels.ops.lm_head_loss.head import HeadFormat, delta_dtype
+from grpo_kernels.ops.lm_head_loss.head import matmul as _dot
 
 Array = jax.Array
 _F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
-class LmHeadPallasOptions:
-    """Options of the Pallas LM-head kernels.
+class LmHeadPallasBlockSizes:
+    """Tiling of the Pallas LM-head kernels (TPU tiling rules, checked on construction).
 
     Attributes:
       block_rows: Rows per grid step ``tm`` (multiple of 16); ``None``: 256, or fewer for
@@ -61,41 +64,42 @@ class LmHeadPallasOptions:
       block_vocab: Vocabulary tile ``tv`` (multiple of 128); ``None``: 512.
       block_hidden: ``H`` tile ``tk`` of the statistics kernel (a divisor of ``H``, multiple of
         128, or ``H``); ``None``: the largest of 2048, 1024, 512 that divides ``H``, else ``H``.
-      vmem_limit_bytes: Scoped VMEM limit of the kernels; ``None``: 64 MiB.
-      interpret: Interpret mode; ``None``: exactly when the backend is CPU. ``"hlo"``: JAX's
-        generic HLO interpreter instead of the TPU one (used by :mod:`grpo_kernels.sharding`
-        on a CPU mesh, where the TPU interpreter's all-device barrier at each kernel can
-        deadlock against XLA:CPU's collectives).
     """
 
     block_rows: int | None = None
     block_vocab: int | None = None
     block_hidden: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, mult in (("block_rows", 16), ("block_vocab", 128), ("block_hidden", 128)):
+            check_int("LmHeadPallasBlockSizes", name, getattr(self, name), multiple=mult,
+                      why=" (TPU tiling)")
+
+
+@dataclasses.dataclass(frozen=True)
+class LmHeadPallasOptions:
+    """Options of ``impl="pallas"`` for the fused head.
+
+    Attributes:
+      blocks: The kernels' tiling; ``None``: the defaults of :class:`LmHeadPallasBlockSizes`.
+      vmem_limit_bytes: Scoped VMEM limit of the kernels; ``None``: 64 MiB.
+      interpret: Interpret mode; ``None``: exactly when the backend is CPU; ``"hlo"``: JAX's
+        generic HLO interpreter (what :mod:`grpo_kernels.sharding` uses on a CPU mesh).
+    """
+
+    blocks: LmHeadPallasBlockSizes | None = None
     vmem_limit_bytes: int | None = None
     interpret: bool | str | None = None
 
     def __post_init__(self) -> None:
-        if self.interpret not in (None, True, False, "hlo"):
-            raise ValueError(f"LmHeadPallasOptions.interpret must be None, True, False or "
-                             f"'hlo', got {self.interpret!r}")
-        for name, mult in (("block_rows", 16), ("block_vocab", 128), ("block_hidden", 128),
-                           ("vmem_limit_bytes", 1)):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"LmHeadPallasOptions.{name} must be None or an int >= 1, "
-                                 f"got {value!r}")
-            if value % mult:
-                raise ValueError(f"LmHeadPallasOptions.{name} must be a multiple of {mult} "
-                                 f"(TPU tiling), got {value}")
-
+        check_interpret("LmHeadPallasOptions", self.interpret)
+        check_int("LmHeadPallasOptions", "vmem_limit_bytes", self.vmem_limit_bytes)
+        if self.blocks is not None and not isinstance(self.blocks, LmHeadPallasBlockSizes):
+            raise ValueError(f"LmHeadPallasOptions.blocks must be None or an "
+                             f"LmHeadPallasBlockSizes, got {type(self.blocks).__name__}")
 
     def resolved_interpret(self, backend: str | None = None) -> bool | str:
-        """``interpret``, with ``None`` resolved to "exactly when the backend is CPU"."""
-        if self.interpret is not None:
-            return self.interpret
-        return (backend or jax.default_backend()) == "cpu"
+        return resolved_interpret(self.interpret, backend_kind(backend))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,13 +112,14 @@ class Tiles:
 
 def plan_tiles(n: int, hidden: int, vocab: int, opts: LmHeadPallasOptions) -> Tiles:
     """Tile sizes for ``N`` rows, hidden size ``H`` and vocabulary ``V`` (see the options)."""
-    rows = opts.block_rows or min(256, -(-n // 16) * 16)
-    tv = opts.block_vocab or min(512, -(-vocab // 128) * 128)
-    tk = opts.block_hidden
+    blocks = opts.blocks or LmHeadPallasBlockSizes()
+    rows = blocks.block_rows or min(256, -(-n // 16) * 16)
+    tv = blocks.block_vocab or min(512, -(-vocab // 128) * 128)
+    tk = blocks.block_hidden
     if tk is None:
         tk = next((c for c in (2048, 1024, 512) if hidden % c == 0 and c < hidden), hidden)
     if hidden % tk:
-        raise ValueError(f"LmHeadPallasOptions.block_hidden={tk} must divide H={hidden}")
+        raise ValueError(f"LmHeadPallasBlockSizes.block_hidden={tk} must divide H={hidden}")
     return Tiles(rows, tv, tk, opts.vmem_limit_bytes or (64 << 20))
 
 
@@ -340,68 +345,59 @@ def head_gradients(h: Array, w: Array, bias: Array | None, ids: Array, lse: Arra
     return dh, outs[0], db
 
 
-def pallas_lm_head_loss(
-    hidden: Array,
-    lm_head: Array,
-    ids: Array,
-    mask: Array,
-    advantages: Array,
-    *,
-    config: GRPOLossConfig,
-    old_logps: Array | None = None,
-    ref_logps: Array | None = None,
-    num_items_in_batch: Array | None = None,
-    lm_head_layout: str = "hv",
-    bias: Array | None = None,
-    logits_dtype: Any = None,
-    block_sizes: LmHeadPallasOptions | None = None,
-) -> tuple[Array, dict[str, Array]]:
-    """The fused loss on the TPU kernels; args and returns as ``grpo_loss_from_hidden``."""
-    opts = block_sizes or LmHeadPallasOptions()
-    interpret = opts.resolved_interpret()
+def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadPallasOptions | None,
+           temperature: float, interpret: bool | str | None = None):
+    """``(stats, grad)`` on ``[B, T, H]`` hidden states and a head (shard) ``w``:
+
+    ``stats(primals, ids)`` -> ``[B, T]`` ``(logp, lse, entropy)`` of the head's columns;
+    ``grad(primals, hit_ids, lse, g)`` -> ``(dhidden, dW, db)`` given the whole row's ``lse``
+    and ``g = dL/dlogp`` (carrying the loss cotangent; an id of ``-1`` hits no column).
+    ``interpret`` overrides the options' (the sharding layer passes ``"hlo"`` on CPU).
+    """
+    opts = options or LmHeadPallasOptions()
     b, t, hdim = hidden.shape
     n = b * t
-    compute = common_dtype(hidden.dtype, lm_head.dtype)
-    logits_dtype = jnp.dtype(logits_dtype or compute)
-    vocab = lm_head.shape[1] if lm_head_layout == "hv" else lm_head.shape[0]
-    tiles = plan_tiles(n, hdim, vocab, opts)
+    compute = common_dtype(hidden.dtype, w.dtype)
+    tiles = plan_tiles(n, hdim, fmt.vocab(w), opts)
     pad = -n % tiles.rows
-    tau = config.temperature
-    static = dict(layout=lm_head_layout, logits_dtype=logits_dtype, temperature=tau,
-                  tiles=tiles, interpret=interpret)
-    rest = (ids, mask, advantages, old_logps, ref_logps, num_items_in_batch)
+    static = dict(layout=fmt.layout, logits_dtype=fmt.logits_dtype, temperature=temperature,
+                  tiles=tiles, interpret=opts.resolved_interpret() if interpret is None
+                  else interpret)
 
-    def rows_of(hidden, ids):
-        h = jnp.pad(hidden.reshape(n, hdim).astype(compute), ((0, pad), (0, 0)))
-        ids = jnp.clip(ids.astype(jnp.int32), 0, vocab - 1).reshape(n)
-        return h, jnp.pad(ids, (0, pad))
+    def rows(x, fill=0):
+        x = x.reshape(n, *x.shape[2:])
+        return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1), constant_values=fill)
 
-    def forward(hidden, w, bias, rest, with_grad):
-        ids, mask, adv, old, ref, num_items = rest
-        h, idp = rows_of(hidden, ids)
-        logp, lse, ent = head_statistics(h, w.astype(compute), bias, idp, **static)
-        loss, metrics, g = loss_from_token_stats(
-            logp[:n].reshape(b, t), ent[:n].reshape(b, t), mask, adv, config, old, ref,
-            num_items, with_grad=with_grad)
-        return loss, metrics, lse, g
+    def stats(primals, ids):
+        hidden, w, bias = primals
+        out = head_statistics(rows(hidden.astype(compute)), w.astype(compute), bias,
+                              rows(ids), **static)
+        return tuple(x[:n].reshape(b, t) for x in out)
 
-    @jax.custom_vjp
-    def loss_fn(hidden, w, bias, rest):
-        loss, metrics, _, _ = forward(hidden, w, bias, rest, False)
-        return loss, metrics
+    def grad(primals, hit_ids, lse, g):
+        hidden, w, bias = primals
+        dh, dw, db = head_gradients(rows(hidden.astype(compute)), w.astype(compute), bias,
+                                    rows(hit_ids, -1), rows(lse), rows(g / temperature),
+                                    **static)
+        return (dh[:n].reshape(hidden.shape).astype(hidden.dtype), dw.astype(w.dtype), db)
 
-    def loss_fwd(hidden, w, bias, rest):
-        loss, metrics, lse, g = forward(hidden, w, bias, rest, True)
-        return (loss, metrics), (hidden, w, bias, lse, g, rest)
+    return stats, grad
 
-    def loss_bwd(res, cotangents):
-        hidden, w, bias, lse, g, rest = res
-        h, idp = rows_of(hidden, rest[0])
-        coef = jnp.pad(g.reshape(n) * cotangents[0].astype(_F32) / tau, (0, pad))
-        dh, dw, db = head_gradients(h, w.astype(compute), bias, idp, lse, coef, **static)
-        dh = dh[:n].reshape(hidden.shape).astype(hidden.dtype)
-        return (dh, dw.astype(w.dtype), db,
-                jax.tree.map(zero_cotangent, rest, is_leaf=lambda x: x is None))
 
-    loss_fn.defvjp(loss_fwd, loss_bwd)
-    return loss_fn(hidden, lm_head, bias, rest)
+def pallas_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: TokenBatch,
+                        config: GRPOLossConfig, fmt: HeadFormat, options: LmHeadPallasOptions
+                        | None = None) -> tuple[Array, dict[str, Array]]:
+    """The fused loss on the TPU kernels; args and returns as ``grpo_loss_from_hidden``."""
+    stats, grad = pieces(hidden, lm_head, fmt, options, config.temperature)
+    ids = batch.clamped_ids(fmt.vocab(lm_head))
+
+    def forward(primals, batch, with_grad):
+        logp, lse, ent = stats(primals, ids)
+        loss, metrics, g = batch.loss(logp, ent, config, with_grad)
+        return (loss, metrics), (primals, lse, g)
+
+    def backward(residuals, cotangent):
+        primals, lse, g = residuals
+        return grad(primals, ids, lse, g * cotangent)
+
+    return loss_with_gradient(forward, backward)((hidden, lm_head, bias), batch)

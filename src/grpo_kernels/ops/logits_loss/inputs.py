@@ -10,18 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.ops.logits_loss.reference import token_logp_and_entropy
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "f32": jnp.float32, "bf16": jnp.bfloat16}
-
-
-def parse_dtype(name: str) -> Any:
-    """``"bf16"``/``"bfloat16"``/``"f32"``/``"float32"`` -> jnp dtype; ValueError otherwise."""
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
-
+from grpo_kernels.ops.core.reference import token_logp_and_entropy
 
 @dataclasses.dataclass(frozen=True)
 class LossInputs:

@@ -20,14 +20,38 @@ import dataclasses
 from typing import Literal
 
 import jax
-import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.objective import loss_from_token_stats
+from grpo_kernels.ops.core.batch import TokenBatch
+from grpo_kernels.ops.core.options import check_int, check_interpret, resolved_interpret
+from grpo_kernels.ops.core.validate import backend_kind
+from grpo_kernels.ops.core.vjp import loss_with_gradient
 from grpo_kernels.ops.logits_loss import pallas_gpu, pallas_tpu
-from grpo_kernels.ops.logits_loss.xla import zero_cotangent
 
 Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasBlockSizes:
+    """Tiling of the Pallas kernels; ``None`` fields come from each kernel's planner.
+
+    Both rules hold for both kernels, so a value valid on one chip is valid on the other.
+
+    Attributes:
+      block_rows: Rows per grid step of the TPU kernels: a multiple of 16 (TPU sublane tiling
+        of 16-bit rows; 32-bit rows need 8). The GPU kernels take one row per program.
+      block_vocab: Vocabulary tile: a power of two >= 128 (a multiple of 128 for the TPU
+        lanes, a power of two for Triton's block shapes).
+    """
+
+    block_rows: int | None = None
+    block_vocab: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("PallasBlockSizes", "block_rows", self.block_rows, multiple=16,
+                  why=" (TPU sublane tiling of 16-bit rows)")
+        check_int("PallasBlockSizes", "block_vocab", self.block_vocab, multiple=128,
+                  power_of_two=True, why=" (TPU lanes; Triton block shapes)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,9 +60,7 @@ class PallasOptions:
 
     Attributes:
       kernel: ``"tpu"``, ``"gpu"`` or ``"auto"`` (the backend's own; ``"tpu"`` on CPU).
-      block_rows: Rows per grid step of the TPU kernels; ``None``: the heuristic table.
-      block_vocab: Vocabulary tile (TPU: a multiple of 128; GPU: a power of two); ``None``: the
-        heuristic table.
+      blocks: The kernels' tiling; ``None``: each kernel's planner.
       alias_logits: Write dlogits into the logits' buffer (saves a ``[B, T, V]`` buffer when the
         logits are donated or otherwise dead).
       interpret: Run the kernels in interpret mode; ``None``: exactly when the backend is CPU.
@@ -49,116 +71,90 @@ class PallasOptions:
     """
 
     kernel: Literal["auto", "tpu", "gpu"] = "auto"
-    block_rows: int | None = None
-    block_vocab: int | None = None
+    blocks: PallasBlockSizes | None = None
     alias_logits: bool = False
     interpret: bool | Literal["hlo"] | None = None
 
     def __post_init__(self) -> None:
-        if self.interpret not in (None, True, False, "hlo"):
-            raise ValueError(f"PallasOptions.interpret must be None, True, False or 'hlo', "
-                             f"got {self.interpret!r}")
+        check_interpret("PallasOptions", self.interpret)
         if self.kernel not in ("auto", "tpu", "gpu"):
             raise ValueError(f"PallasOptions.kernel must be 'auto', 'tpu' or 'gpu', "
                              f"got {self.kernel!r}")
-        for name in ("block_rows", "block_vocab"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value < 1):
-                raise ValueError(f"PallasOptions.{name} must be None or an int >= 1, "
-                                 f"got {value!r}")
-        if self.block_vocab is not None and self.kernel == "tpu" and self.block_vocab % 128:
-            raise ValueError(f"PallasOptions.block_vocab must be a multiple of 128 for the TPU "
-                             f"kernel, got {self.block_vocab}")
-        if self.block_rows is not None and self.block_rows % 8:
-            raise ValueError(f"PallasOptions.block_rows must be a multiple of 8 (TPU sublane "
-                             f"tiling), got {self.block_rows}")
+        if self.blocks is not None and not isinstance(self.blocks, PallasBlockSizes):
+            raise ValueError(f"PallasOptions.blocks must be None or a PallasBlockSizes, "
+                             f"got {type(self.blocks).__name__}")
+        if not isinstance(self.alias_logits, bool):
+            raise ValueError(f"PallasOptions.alias_logits must be True or False, "
+                             f"got {self.alias_logits!r}")
 
     def resolved_kernel(self, backend: str | None = None) -> str:
         if self.kernel != "auto":
             return self.kernel
-        return "gpu" if (backend or jax.default_backend()) in ("gpu", "cuda", "rocm") else "tpu"
+        return "gpu" if backend_kind(backend) == "gpu" else "tpu"
 
     def resolved_interpret(self, backend: str | None = None) -> bool | str:
-        if self.interpret is not None:
-            return self.interpret
-        return (backend or jax.default_backend()) == "cpu"
+        return resolved_interpret(self.interpret, backend_kind(backend))
 
 
-def kernels(logits: Array, opts: PallasOptions):
-    """``(row_statistics, logits_gradient)`` bound to their block sizes and interpret flag."""
-    vocab = logits.shape[-1]
+def kernels(vocab: int, dtype, opts: PallasOptions):
+    """``(row_statistics, logits_gradient)`` on ``[N, V]`` rows, bound to their tiling and
+    interpret flag."""
     interpret = opts.resolved_interpret()
+    blocks = opts.blocks or PallasBlockSizes()
     if opts.resolved_kernel() == "gpu":
-        blocks = pallas_gpu.plan_blocks(vocab, opts.block_vocab)
-        mod = pallas_gpu
+        tiling, mod = pallas_gpu.plan_blocks(vocab, blocks.block_vocab), pallas_gpu
     else:
-        if opts.block_rows is not None and logits.dtype.itemsize == 2 and opts.block_rows % 16:
-            raise ValueError(f"PallasOptions.block_rows must be a multiple of 16 for 16-bit "
-                             f"logits on TPU, got {opts.block_rows}")
-        blocks = pallas_tpu.plan_blocks(vocab, logits.dtype, None, opts.block_rows,
-                                        opts.block_vocab)
+        tiling = pallas_tpu.plan_blocks(vocab, dtype, None, blocks.block_rows,
+                                        blocks.block_vocab)
         mod = pallas_tpu
 
     def stats(z, ids, tau):
-        return mod.row_statistics(z, ids, tau, blocks, interpret=interpret)
+        return mod.row_statistics(z, ids, tau, tiling, interpret=interpret)
 
     def grad(z, ids, lse, coef, tau):
-        return mod.logits_gradient(z, ids, lse, coef, tau, blocks, interpret=interpret,
+        return mod.logits_gradient(z, ids, lse, coef, tau, tiling, interpret=interpret,
                                    alias_logits=opts.alias_logits)
 
     return stats, grad
 
 
-def pallas_grpo_loss(
-    logits: Array,
-    ids: Array,
-    mask: Array,
-    advantages: Array,
-    *,
-    config: GRPOLossConfig,
-    old_logps: Array | None = None,
-    ref_logps: Array | None = None,
-    num_items_in_batch: Array | None = None,
-    block_sizes: PallasOptions | None = None,
-) -> tuple[Array, dict[str, Array]]:
+def pieces(shape: tuple[int, ...], dtype, options: PallasOptions | None, temperature: float):
+    """``(stats, grad)`` on ``[B, T, V_k]`` logits, as :func:`..xla.pieces`: ``stats(z, ids)``
+    -> ``[B, T]`` ``(logp, lse, entropy)``; ``grad(z, hit_ids, lse, g)`` -> ``(dz,)`` where
+    ``g`` already carries the loss cotangent."""
+    b, t, vocab = shape
+    n = b * t
+    row_stats, row_grad = kernels(vocab, dtype, options or PallasOptions())
+
+    def stats(z, ids):
+        out = row_stats(z.reshape(n, vocab), ids.reshape(n), temperature)
+        return tuple(x.reshape(b, t) for x in out)
+
+    def grad(z, hit_ids, lse, g):
+        dz = row_grad(z.reshape(n, vocab), hit_ids.reshape(n), lse.reshape(n),
+                      (g / temperature).reshape(n), temperature)
+        return (dz.reshape(b, t, vocab),)
+
+    return stats, grad
+
+
+def pallas_grpo_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
+                     options: PallasOptions | None = None) -> tuple[Array, dict[str, Array]]:
     """GRPO loss on the Pallas kernels, differentiable w.r.t. ``logits``.
 
-    Args, returns: as :func:`grpo_kernels.grpo_loss`; ``block_sizes`` is a
-    :class:`PallasOptions`.
+    Args, returns: as :func:`grpo_kernels.grpo_loss` (checked there).
     """
-    opts = block_sizes or PallasOptions()
-    if not isinstance(opts, PallasOptions):
-        raise ValueError(f"block_sizes for impl='pallas' must be a PallasOptions, "
-                         f"got {type(opts).__name__}")
-    b, t, vocab = logits.shape
-    n, tau = b * t, config.temperature
-    ids = jnp.clip(ids.astype(jnp.int32), 0, vocab - 1)
-    stats, grad = kernels(logits, opts)
-    rest = (mask, advantages, old_logps, ref_logps, num_items_in_batch)
+    stats, grad = pieces(logits.shape, logits.dtype, options, config.temperature)
+    ids = batch.clamped_ids(logits.shape[-1])
 
-    def forward(z, rest, with_grad):
-        logp, lse, entropy = (x.reshape(b, t) for x in stats(z.reshape(n, vocab),
-                                                            ids.reshape(n), tau))
-        mask, adv, *others = rest
-        loss, metrics, g = loss_from_token_stats(logp, entropy, mask, adv, config, *others,
-                                                 with_grad=with_grad)
-        return (loss, metrics), (lse, g)
+    def forward(primals, batch, with_grad):
+        (z,) = primals
+        logp, lse, entropy = stats(z, ids)
+        loss, metrics, g = batch.loss(logp, entropy, config, with_grad)
+        return (loss, metrics), (z, lse, g)
 
-    @jax.custom_vjp
-    def loss_fn(z, rest):
-        return forward(z, rest, False)[0]
+    def backward(residuals, cotangent):
+        z, lse, g = residuals
+        return grad(z, ids, lse, g * cotangent)
 
-    def loss_fwd(z, rest):
-        out, (lse, g) = forward(z, rest, True)
-        return out, (z, lse, g, rest)
-
-    def loss_bwd(res, cotangents):
-        z, lse, g, rest = res
-        coef = (g * cotangents[0].astype(jnp.float32) / tau).reshape(n)
-        dz = grad(z.reshape(n, vocab), ids.reshape(n), lse.reshape(n), coef, tau)
-        zeros = jax.tree.map(zero_cotangent, rest, is_leaf=lambda x: x is None)
-        return dz.reshape(b, t, vocab), zeros
-
-    loss_fn.defvjp(loss_fwd, loss_bwd)
-    return loss_fn(logits, rest)
+    return loss_with_gradient(forward, backward)((logits,), batch)

@@ -6,7 +6,7 @@ of every row is one Triton program, a 2-D grid ``(N, V // block_vocab)`` with no
 program:
 
 - statistics: each program writes its tile's ``(m, S, Q)`` and chosen-logit share into
-  ``[N, tiles]`` partials, which :func:`~grpo_kernels.ops.logits_loss.online_softmax.reduce_stats`
+  ``[N, tiles]`` partials, which :func:`~grpo_kernels.ops.core.online_softmax.reduce_stats`
   merges in XLA (``16 N tiles`` bytes, next to ``2 N V`` read);
 - gradient: each program writes its tile of ``dz = c (onehot(y) - e^{s - lse})``.
 
@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from grpo_kernels.compat import out_struct
-from grpo_kernels.ops.logits_loss.online_softmax import block_stats, finish, reduce_stats
+from grpo_kernels.ops.core.online_softmax import block_stats, finish, reduce_stats
 
 Array = jax.Array
 _F32 = jnp.float32

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from grpo_kernels.compat import out_struct
-from grpo_kernels.ops.logits_loss.online_softmax import (
+from grpo_kernels.ops.core.online_softmax import (
     block_stats,
     finish,
     merge_stats,

@@ -40,16 +40,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.objective import loss_from_token_stats
-from grpo_kernels.ops.logits_loss.online_softmax import (
-    block_stats,
-    finish,
-    merge_stats,
-    sweep,
-)
+from grpo_kernels.ops.core.batch import TokenBatch
+from grpo_kernels.ops.core.dtypes import cast_to
+from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, sweep
+from grpo_kernels.ops.core.options import check_int
+from grpo_kernels.ops.core.vjp import loss_with_gradient
 
 Array = jax.Array
 
@@ -73,15 +70,11 @@ class XlaBlockSizes:
 
     def __post_init__(self) -> None:
         for name in ("chunk_tokens", "block_vocab", "chunk_bytes"):
-            value = getattr(self, name)
-            if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or value < 1
-            ):
-                raise ValueError(f"XlaBlockSizes.{name} must be None or an int >= 1, got {value!r}")
+            check_int("XlaBlockSizes", name, getattr(self, name))
 
 
-# Working-set targets per backend. CPU: 8-16 MiB measured fastest on the 2-core development
-# machine (docs/xla.md); an accelerator wants enough rows per step to fill the chip.
+# Working-set targets per backend. CPU: the fastest measured on the development machine
+# (docs/xla.md); an accelerator wants enough rows per step to fill the chip.
 _DEFAULT_CHUNK_BYTES = {"cpu": 16 << 20, "gpu": 256 << 20, "tpu": 256 << 20}
 
 
@@ -199,27 +192,6 @@ def row_statistics(
     return finish(*stats)
 
 
-def to_bfloat16(x: Array) -> Array:
-    """float32 -> bfloat16 with round-to-nearest-even, written as integer arithmetic.
-
-    Bit-identical to ``x.astype(jnp.bfloat16)`` for finite values and infinities; NaNs map to
-    the quiet NaN ``0x7FC0``. XLA:CPU lowers a float32 -> bfloat16 ``convert`` to slow scalar
-    code; these integer ops vectorise inside the surrounding fusion (a bare bf16 scale of the
-    benchmark's logits: 113 ms with ``astype``, 62 ms like this; docs/xla.md).
-    """
-    bits = jax.lax.bitcast_convert_type(x.astype(_F32), jnp.uint32)
-    rounded = (bits + (jnp.uint32(0x7FFF) + ((bits >> 16) & 1))) >> 16
-    rounded = jnp.where(jnp.isnan(x), jnp.uint32(0x7FC0), rounded)
-    return jax.lax.bitcast_convert_type(rounded.astype(jnp.uint16), jnp.bfloat16)
-
-
-def cast_to(x: Array, dtype: Any) -> Array:
-    """``x.astype(dtype)``, through :func:`to_bfloat16` for bfloat16 on CPU."""
-    if jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu":
-        return to_bfloat16(x)
-    return x.astype(dtype)
-
-
 def logits_gradient(z: Array, ids: Array, lse: Array, g: Array, temperature: float) -> Array:
     r"""``dL/dz = (g / tau) (onehot(ids) - exp(z / tau - lse))`` in the dtype of ``z [..., V]``.
 
@@ -232,62 +204,50 @@ def logits_gradient(z: Array, ids: Array, lse: Array, g: Array, temperature: flo
     return cast_to(jnp.where(hit, scale * (1.0 - p), -scale * p), z.dtype)
 
 
-def _forward(logits, ids, mask, advantages, old, ref, num_items, *, config, rows, block_v,
-             with_grad):
+def _forward(logits, batch: TokenBatch, with_grad: bool, *, config: GRPOLossConfig,
+             rows: int, block_v: int) -> tuple[tuple[Array, dict[str, Array]], Array | None]:
     b, t, vocab = logits.shape
-    ids = jnp.clip(ids.astype(jnp.int32), 0, vocab - 1)
+    ids = batch.clamped_ids(vocab)
     logp, lse, entropy = row_statistics(logits, ids.reshape(-1), config.temperature, rows, block_v)
     logp, lse, entropy = logp.reshape(b, t), lse.reshape(b, t), entropy.reshape(b, t)
-    loss, metrics, g = loss_from_token_stats(logp, entropy, mask, advantages, config, old, ref,
-                                             num_items, with_grad)
+    loss, metrics, g = batch.loss(logp, entropy, config, with_grad)
     dlogits = None if g is None else logits_gradient(logits, ids, lse, g, config.temperature)
-    return loss, metrics, dlogits
+    return (loss, metrics), dlogits
 
 
-def zero_cotangent(x: Array | None):
-    if x is None:
-        return None
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros_like(x)
-    return np.zeros(x.shape, dtype=jax.dtypes.float0)
+def xla_grpo_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
+                  options: XlaBlockSizes | None = None) -> tuple[Array, dict[str, Array]]:
+    """Chunked GRPO loss, differentiable w.r.t. ``logits`` (the batch gets zero cotangents).
 
-
-def xla_grpo_loss(
-    logits: Array,
-    ids: Array,
-    mask: Array,
-    advantages: Array,
-    *,
-    config: GRPOLossConfig,
-    old_logps: Array | None = None,
-    ref_logps: Array | None = None,
-    num_items_in_batch: Array | None = None,
-    block_sizes: XlaBlockSizes | None = None,
-) -> tuple[Array, dict[str, Array]]:
-    """Chunked GRPO loss, differentiable w.r.t. ``logits`` (other inputs get zero cotangents).
-
-    Args, returns: as :func:`grpo_kernels.grpo_loss`; ``block_sizes`` overrides the chunking.
+    Args, returns: as :func:`grpo_kernels.grpo_loss` (checked there); ``options`` overrides
+    the chunking.
     """
     b, t, vocab = logits.shape
-    rows, block_v = plan_blocks(
-        b * t, vocab, block_sizes or XlaBlockSizes(), jax.default_backend()
-    )
-    static = dict(config=config, rows=rows, block_v=block_v)
-    rest = (ids, mask, advantages, old_logps, ref_logps, num_items_in_batch)
+    rows, block_v = plan_blocks(b * t, vocab, options or XlaBlockSizes(), jax.default_backend())
 
-    @jax.custom_vjp
-    def loss_fn(logits, rest):
-        loss, metrics, _ = _forward(logits, *rest, **static, with_grad=False)
-        return loss, metrics
+    def forward(primals, batch, with_grad):
+        out, dlogits = _forward(primals[0], batch, with_grad, config=config, rows=rows,
+                                block_v=block_v)
+        return out, (dlogits,)
 
-    def loss_fwd(logits, rest):
-        loss, metrics, dlogits = _forward(logits, *rest, **static, with_grad=True)
-        return (loss, metrics), (dlogits, rest)
+    return loss_with_gradient(forward)((logits,), batch)
 
-    def loss_bwd(res, cotangents):
-        dlogits, rest = res
-        scaled = cast_to(dlogits.astype(_F32) * cotangents[0].astype(_F32), dlogits.dtype)
-        return scaled, jax.tree.map(zero_cotangent, rest, is_leaf=lambda x: x is None)
 
-    loss_fn.defvjp(loss_fwd, loss_bwd)
-    return loss_fn(logits, rest)
+def pieces(shape: tuple[int, ...], options: XlaBlockSizes | None, temperature: float):
+    """``(stats, grad)`` for a ``[B, T, V_k]`` block of logits (a vocabulary shard):
+
+    ``stats(z, ids)`` gives the ``[B, T]`` ``(logp, lse, entropy)`` of the block's columns;
+    ``grad(z, hit_ids, lse, g)`` the block's ``dz`` given the whole row's ``lse`` and
+    ``g = dL/dlogp`` (an id of ``-1`` hits no column). See :mod:`grpo_kernels.sharding`.
+    """
+    b, t, vocab = shape
+    rows, block_v = plan_blocks(b * t, vocab, options or XlaBlockSizes(), jax.default_backend())
+
+    def stats(z, ids):
+        out = row_statistics(z, ids.reshape(-1), temperature, rows, block_v)
+        return tuple(x.reshape(b, t) for x in out)
+
+    def grad(z, hit_ids, lse, g):
+        return (logits_gradient(z, hit_ids, lse, g, temperature),)
+
+    return stats, grad

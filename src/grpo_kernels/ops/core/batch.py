@@ -1,0 +1,64 @@
+"""``TokenBatch``: the per-token inputs of the loss, one pytree for every backend."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.objective import loss_from_token_stats
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenBatch:
+    """What the loss needs besides the logits (or hidden states and head) and the config.
+
+    Every fast backend takes it whole and gives it zero cotangents (:mod:`.vjp`); the sharding
+    layer splits it over the batch axes.
+
+    Attributes:
+      ids: ``[B, T]`` chosen token ids (already checked; clamped by each backend).
+      mask: ``[B, T]`` completion mask.
+      advantages: ``[B]``.
+      old_logps: ``[B, T]`` sampling-policy log-probs, or ``None`` (on-policy).
+      ref_logps: ``[B, T]`` reference log-probs, or ``None``.
+      num_items: The ``dapo`` normaliser as a float32 scalar, or ``None``.
+    """
+
+    ids: Array
+    mask: Array
+    advantages: Array
+    old_logps: Array | None = None
+    ref_logps: Array | None = None
+    num_items: Array | None = None
+
+    @classmethod
+    def of(cls, ids: Array, mask: Array, advantages: Array, old_logps: Array | None = None,
+           ref_logps: Array | None = None, num_items_in_batch: Array | float | None = None,
+           ) -> "TokenBatch":
+        """The batch of a public call's arguments (``num_items_in_batch`` made float32)."""
+        num_items = (None if num_items_in_batch is None
+                     else jnp.asarray(num_items_in_batch, jnp.float32))
+        return cls(ids, mask, advantages, old_logps, ref_logps, num_items)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(B, T)``."""
+        return tuple(self.ids.shape)
+
+    def clamped_ids(self, vocab: int) -> Array:
+        """``ids`` as int32 clamped into ``[0, vocab)`` (the documented rule for bad ids)."""
+        return jnp.clip(self.ids.astype(jnp.int32), 0, vocab - 1)
+
+    def loss(self, logp: Array, entropy: Array, config: GRPOLossConfig, with_grad: bool,
+             ) -> tuple[Array, dict[str, Array], Array | None]:
+        """``(loss, metrics, g)`` of the ``[B, T]`` log-probs and entropies an implementation
+        computed (:func:`grpo_kernels.objective.loss_from_token_stats` on this batch)."""
+        return loss_from_token_stats(logp, entropy, self.mask, self.advantages, config,
+                                     self.old_logps, self.ref_logps, self.num_items,
+                                     with_grad=with_grad)

@@ -1,0 +1,114 @@
+"""Argument checks shared by both ops and the sharding layer; every error names the argument."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_kernels.config import GRPOLossConfig
+
+Array = jax.Array
+
+
+def shape_of(name: str, x: Any) -> tuple[int, ...]:
+    """``x.shape``; ValueError naming ``name`` when ``x`` is not an array."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    return tuple(x.shape)
+
+
+def check_shape(name: str, x: Any, expected: tuple[int, ...], what: str) -> None:
+    shape = shape_of(name, x)
+    if shape != expected:
+        raise ValueError(f"{name} must have shape {what} = {expected}, got {shape}")
+
+
+def check_ids_in_range(ids: Array, mask: Array, vocab: int) -> None:
+    """Raises ValueError if a masked-in id lies outside ``[0, vocab)``.
+
+    Concrete inputs are checked at once; under ``jit`` a host callback raises when the
+    computation runs (surfacing as a runtime error that carries this message).
+    """
+
+    def check(ids_np, mask_np):
+        bad = (np.asarray(mask_np) != 0) & ((ids_np < 0) | (ids_np >= vocab))
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"ids must lie in [0, {vocab}) where mask != 0; ids{list(where)} = "
+                f"{int(ids_np[where])} ({int(bad.sum())} id(s) out of range)"
+            )
+
+    if isinstance(ids, jax.core.Tracer) or isinstance(mask, jax.core.Tracer):
+        jax.debug.callback(check, ids, mask)
+    else:
+        check(np.asarray(ids), np.asarray(mask))
+
+
+def validate_token_inputs(
+    logits: Any,
+    ids: Any,
+    mask: Any,
+    advantages: Any,
+    config: Any,
+    old_logps: Any,
+    ref_logps: Any,
+) -> None:
+    """Checks ranks, shapes and dtypes at trace time; raises ValueError naming the argument.
+
+    ``logits`` may be a ``jax.ShapeDtypeStruct`` (the fused op checks the logits it will form).
+    """
+    if not isinstance(config, GRPOLossConfig):
+        raise ValueError(f"config must be a GRPOLossConfig, got {type(config).__name__}")
+    shape = shape_of("logits", logits)
+    if len(shape) != 3:
+        raise ValueError(f"logits must have rank 3 [B, T, V], got shape {shape}")
+    if not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise ValueError(f"logits must be a floating dtype (bfloat16 or float32), got {logits.dtype}")
+    b, t, v = shape
+    if min(b, t, v) < 1:
+        raise ValueError(f"logits must have B, T, V >= 1, got shape {shape}")
+    check_shape("ids", ids, (b, t), "[B, T]")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"ids must be an integer dtype, got {ids.dtype}")
+    check_shape("mask", mask, (b, t), "[B, T]")
+    check_shape("advantages", advantages, (b,), "[B]")
+    for name, x in (("old_logps", old_logps), ("ref_logps", ref_logps)):
+        if x is not None:
+            check_shape(name, x, (b, t), "[B, T]")
+    for name, x in (("mask", mask), ("advantages", advantages), ("old_logps", old_logps),
+                    ("ref_logps", ref_logps)):
+        if x is not None and not (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == jnp.bool_):
+            raise ValueError(f"{name} must be numeric, got dtype {x.dtype}")
+    if config.beta > 0 and ref_logps is None:
+        raise ValueError(f"ref_logps [B, T] = {(b, t)} is required when config.beta > 0 "
+                         f"(beta={config.beta})")
+
+
+def backend_kind(backend: str | None = None) -> str:
+    """``cpu``, ``gpu`` or ``tpu`` (CUDA and ROCm are ``gpu``) of ``backend`` or JAX's default."""
+    backend = backend or jax.default_backend()
+    return "gpu" if backend in ("cuda", "rocm") else backend
+
+
+def resolve_impl(impl: Any, options: Any, option_types: dict[str, type],
+                 default: Callable[[], str]) -> str:
+    """Checks ``impl`` and that ``options`` fits it; returns the implementation's name.
+
+    ``"auto"`` becomes ``default()``. ``options`` must be ``None`` or an instance of
+    ``option_types[impl]``.
+    """
+    choices = ("auto", "reference", *option_types)
+    if impl not in choices:
+        raise ValueError(f"impl must be one of {choices}, got {impl!r}")
+    if impl == "auto":
+        impl = default()
+    wants = option_types.get(impl)
+    if options is not None and (wants is None or not isinstance(options, wants)):
+        kinds = " or ".join(f"{t.__name__} for impl={k!r}" for k, t in option_types.items())
+        raise ValueError(f"options must be {kinds}, got {type(options).__name__} "
+                         f"with impl={impl!r}")
+    return impl

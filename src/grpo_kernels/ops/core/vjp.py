@@ -1,0 +1,76 @@
+r"""The one ``custom_vjp`` of every fast backend: the gradient is formed in the forward pass.
+
+A fast backend computes, in one forward, the loss, its metrics and everything the gradient
+needs (the gradient itself, or the ``O(N)`` residuals a gradient kernel reads). Its backward
+only multiplies by the loss cotangent :math:`\bar L` (or hands it to the gradient kernel). The
+per-token inputs (:class:`~grpo_kernels.ops.core.batch.TokenBatch`) get zero cotangents: the
+loss is differentiable w.r.t. the primals only, as TRL's is w.r.t. the logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_kernels.ops.core.dtypes import F32, cast_to
+
+Array = jax.Array
+# forward(primals, batch, with_grad) -> ((loss, metrics), residuals)
+Forward = Callable[[tuple, Any, bool], tuple[tuple[Array, dict[str, Array]], Any]]
+# backward(residuals, loss_cotangent float32) -> cotangents of the primals (same structure)
+Backward = Callable[[Any, Array], tuple]
+
+
+def zero_cotangent(x: Array | None) -> Any:
+    """The zero cotangent of ``x``: zeros for floats, ``float0`` for integers, ``None`` kept."""
+    if x is None:
+        return None
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, dtype=jax.dtypes.float0)
+
+
+def zero_cotangents(tree: Any) -> Any:
+    """:func:`zero_cotangent` of every leaf of ``tree``."""
+    return jax.tree.map(zero_cotangent, tree, is_leaf=lambda x: x is None)
+
+
+def scale_by_cotangent(grads: tuple, cotangent: Array) -> tuple:
+    """``grads`` (formed for a unit cotangent) times the loss cotangent, each in its dtype.
+
+    The product is one elementwise op that XLA fuses into the kernel that wrote each gradient.
+    """
+    return tuple(None if g is None else cast_to(g.astype(F32) * cotangent, g.dtype)
+                 for g in grads)
+
+
+def loss_with_gradient(forward: Forward, backward: Backward = scale_by_cotangent,
+                       ) -> Callable[[tuple, Any], tuple[Array, dict[str, Array]]]:
+    """``loss(primals, batch) -> (loss, metrics)`` differentiable w.r.t. ``primals``.
+
+    Args:
+      forward: ``forward(primals, batch, with_grad)`` returns ``((loss, metrics), residuals)``;
+        with ``with_grad=False`` (a primal-only call) the residuals are ignored and need not
+        be computed.
+      backward: ``backward(residuals, cotangent)`` returns the cotangents of ``primals`` (a
+        tuple of their structure; ``None`` for a ``None`` primal). Default: the residuals are
+        the gradients themselves, scaled by :func:`scale_by_cotangent`.
+    """
+
+    @jax.custom_vjp
+    def loss(primals, batch):
+        return forward(primals, batch, False)[0]
+
+    def loss_fwd(primals, batch):
+        out, residuals = forward(primals, batch, True)
+        return out, (residuals, batch)
+
+    def loss_bwd(saved, cotangents):
+        residuals, batch = saved
+        return backward(residuals, cotangents[0].astype(F32)), zero_cotangents(batch)
+
+    loss.defvjp(loss_fwd, loss_bwd)
+    return loss

@@ -1,0 +1,250 @@
+r"""The chunk loop of the fused XLA LM-head loss (:mod:`.xla` has the math and the entry).
+
+:func:`head_sweep` runs one pass over chunks of tokens: the chunk's logits from one matmul,
+their online-softmax statistics, and, in a gradient pass, ``delta``, ``dh``, ``dW`` and ``db``.
+The rest of this module is what makes that loop fast and narrow on XLA:CPU (16-bit slicing
+through integer views, bfloat16 rounding that fuses, ``dW`` in row blocks); docs/lm_head.md
+records the measurements behind each choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from grpo_kernels.compat import vary_like
+from grpo_kernels.ops.core.dtypes import cast_to
+from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, sweep
+from grpo_kernels.ops.lm_head_loss.head import delta_dtype, matmul
+
+Array = jax.Array
+_F32 = jnp.float32
+
+
+# Veltkamp's splitting constant for float32 -> bfloat16: 2^(24 - 8) + 1.
+_SPLIT = 65537.0
+# Beyond this magnitude _SPLIT * x could overflow float32 (at 2^111); such values pass unrounded.
+_SPLIT_LIMIT = 2.0 ** 100
+
+
+def round_to_bfloat16(x: Array) -> Array:
+    r"""float32 ``x`` rounded to the nearest bfloat16 (ties to even), kept in float32.
+
+    Veltkamp's splitting: with :math:`C = 2^{16} + 1` and float32 arithmetic,
+
+    .. math:: c = C x, \qquad \mathrm{hi} = c - (c - x)
+
+    is ``x`` rounded to :math:`24 - 16 = 8` significant bits, bfloat16's precision. Three float
+    operations, which XLA:CPU fuses into the consumers (the softmax reductions read the matmul
+    output directly); the integer form of :func:`grpo_kernels.ops.core.dtypes.to_bfloat16`
+    is not fused there, and its float32 result was materialised as a whole ``[c, V]`` copy.
+    Equal to ``x.astype(bfloat16).astype(float32)`` for every normal float32 ``|x| < 2^100``
+    (tested over random values, every tie and its neighbours; XLA:CPU flushes subnormals to
+    zero); infinities, NaN and ``|x| >= 2^100`` pass unchanged (no logit is that large). A
+    compiler that reassociated float arithmetic would drop the rounding, not corrupt the value.
+    """
+    c = x * jnp.float32(_SPLIT)
+    return jnp.where(jnp.abs(x) < jnp.float32(_SPLIT_LIMIT), c - (c - x), x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """The LM head: weights in one of two layouts, an optional bias, the logits dtype."""
+
+    w: Array
+    bias: Array | None
+    layout: str
+    logits_dtype: Any
+
+    @property
+    def vocab(self) -> int:
+        return self.w.shape[1] if self.layout == "hv" else self.w.shape[0]
+
+    def logits(self, h: Array) -> Array:
+        """``cast(h W + b)`` for rows ``h [c, H]``: float32 accumulation, one rounding.
+
+        bfloat16 logits on CPU come back as float32 arrays holding the rounded values
+        (:func:`round_to_bfloat16`), which XLA:CPU fuses into the softmax reductions.
+        """
+        k = 0 if self.layout == "hv" else 1
+        z = matmul(h, self.w, ((1,), (k,)))
+        if self.bias is not None:
+            z = z + self.bias.astype(_F32)[None, :]
+        dtype = jnp.dtype(self.logits_dtype)
+        if dtype == _F32:
+            return z
+        if dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+            return round_to_bfloat16(z)
+        return cast_to(z, dtype)
+
+    def dhidden(self, delta: Array) -> Array:
+        """``delta W^T`` for ``delta [c, V]``: ``[c, H]`` float32."""
+        k = 1 if self.layout == "hv" else 0
+        return matmul(delta, self.w, ((1,), (k,)))
+
+
+# Vocabulary columns per block of a chunk's softmax statistics, by backend (absent: whole rows).
+STATS_BLOCK = {"cpu": 4096}
+
+
+def chunk_stats(s: Array, block: int | None) -> tuple[Array, Array, Array]:
+    """``(m, S, Q)`` of each row of ``s [c, V]`` (:func:`block_stats`), over vocabulary blocks
+    of ``block`` columns merged online (:func:`merge_stats`); ``None``: whole rows at once.
+
+    On CPU the entropy's two sums over a whole row made XLA materialise ``exp(s - m)`` and
+    ``exp(s - m) (s - m)`` as two float32 ``[c, V]`` arrays; over 4096-column blocks those are
+    small, and a 256-row chunk at ``V = 32768`` keeps its temporaries 16 MiB lower and ran as
+    fast (docs/lm_head.md).
+    """
+    rows, vocab = s.shape
+    if block is None or vocab <= block:
+        return block_stats(s)
+
+    def body(col, width, acc):
+        return merge_stats(acc, block_stats(jax.lax.dynamic_slice_in_dim(s, col, width, axis=1)))
+
+    init = (jnp.full((rows,), -jnp.inf, _F32), jnp.zeros((rows,), _F32),
+            jnp.zeros((rows,), _F32))
+    return sweep(vocab, block, body, init, like=(s,))
+
+
+def rows_of(x: Array | None, start: Any, size: int) -> Array | None:
+    return None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size)
+
+
+def _as_bits(x: Array) -> Array:
+    """A same-width unsigned view of 16-bit floats (XLA:CPU has no bfloat16 update-slice)."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+
+
+def _from_bits(x: Array, dtype: Any) -> Array:
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != jnp.dtype(dtype) else x
+
+
+def _slice_rows(x: Array, start: Any, size: int, axis: int = 0) -> Array:
+    """``x[start:start+size]`` along ``axis``; 16-bit floats through an integer view."""
+    return _from_bits(jax.lax.dynamic_slice_in_dim(_as_bits(x), start, size, axis=axis), x.dtype)
+
+
+GradFn = Callable[[Any, int, Array], Array]
+
+# float32 elements of one dW update product [rows, V] on CPU (16 MiB; docs/lm_head.md).
+DWEIGHT_ELEMENTS = 1 << 22
+
+
+def dweight_rows(hidden: int, vocab: int, backend: str | None = None) -> int:
+    """Rows of ``dW [H, V]`` per update.
+
+    CPU: :data:`DWEIGHT_ELEMENTS` over ``V``, a multiple of 8, at most ``H``. A vocabulary
+    shard passes the global ``V`` (its product shrinks with it). GPU and TPU: all ``H`` rows,
+    one ``[H, c] x [c, V]`` product per chunk. Row blocks of a few dozen rows are skinny
+    matmuls that each re-read the whole ``delta``; on an H100 they made the fused op 2x slower
+    than the materialised reference (docs/benchmarks.md).
+    """
+    if (backend or jax.default_backend()) != "cpu":
+        return hidden
+    return min(hidden, max(8, DWEIGHT_ELEMENTS // vocab // 8 * 8))
+
+
+def _accumulate_dweight(dw: Array, hc_t: Array, delta: Array, rows: int) -> Array:
+    """``dw += h^T delta`` over blocks of ``rows`` rows of ``dw``, in place.
+
+    ``dw`` is ``[H, V]`` whatever the head's layout: ``hc_t`` (the chunk's ``h^T``,
+    materialised: ``[H, c]``) is sliced into ``[rows, c]`` blocks, each times the whole
+    ``delta [c, V]``, the plain ``[M, K] x [K, N]`` form that XLA:CPU hands to its fast matmul
+    library. Blocking keeps the float32 product small (a whole ``[H, V]`` product per chunk
+    would be a second accumulator-sized buffer), and blocking over rows rather than vocabulary
+    columns leaves ``delta`` unsliced: XLA:CPU slices 16-bit floats only through an integer
+    view, and ``delta`` in two types was computed twice, with ``exp`` materialised in float32
+    between (docs/lm_head.md). The ``"vh"`` form ``delta^T h`` contracts the rows of both
+    operands and ran 2-3x slower there; its ``[V, H]`` result is one transpose of the
+    accumulator at the end.
+    """
+    def body(row, height, acc):
+        upd = matmul(_slice_rows(hc_t, row, height), delta, ((1,), (0,)))
+        old = jax.lax.dynamic_slice(acc, (row, 0), upd.shape)
+        return jax.lax.dynamic_update_slice(acc, old + upd, (row, 0))
+
+    return sweep(dw.shape[0], min(rows, dw.shape[0]), body, dw, like=(hc_t, delta))
+
+
+def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
+               grad_fn: GradFn | None, dw_rows: int | None = None,
+               lse: Array | None = None,
+               reduce_dh: Callable[[Array], Array] | None = None,
+               ) -> tuple[tuple[Array, Array, Array], Any]:
+    """One pass over chunks of ``rows`` tokens.
+
+    Args:
+      h: ``[N, H]`` hidden states.
+      ids: ``[N]`` int32 chosen ids in ``[0, V)``; in a gradient pass an id of ``-1`` means
+        "no column of this head" (a vocabulary shard that does not own the token, see
+        :mod:`grpo_kernels.sharding`): its one-hot term is zero and its statistics are junk.
+      head: The LM head.
+      temperature: Softmax temperature.
+      rows: Rows per chunk.
+      grad_fn: ``None`` for statistics only; else ``grad_fn(start, size, logp_chunk)`` returns
+        the chunk's ``g = dL/dlogp`` and the pass also forms the gradients.
+      dw_rows: Rows of ``dW`` per update (default :func:`dweight_rows` of this head).
+      lse: ``[N]`` logsumexp to use in the gradient instead of the one of these columns (the
+        whole-row value when the head is a vocabulary shard); ``None``: this pass's own.
+      reduce_dh: Applied to each chunk's float32 ``dh`` before it is stored: the ``psum`` over
+        the vocab axis when the head is a vocabulary shard, so that no ``[N, H]`` partial sum
+        is ever held (:mod:`grpo_kernels.sharding`).
+
+    Returns:
+      ``((logp, lse, entropy), grads)``: three ``[N]`` float32 vectors, and ``None`` or
+      ``(dh [N, H] in h's dtype, dW float32 in W's layout, db [V] float32 or None)``.
+    """
+    n, hidden = h.shape
+    vocab = head.vocab
+    dw_rows = dw_rows or dweight_rows(hidden, vocab)
+    stats_block = STATS_BLOCK.get(jax.default_backend())
+
+    def chunk(start, size, carry):
+        stats, grads = carry
+        hc = _slice_rows(h, start, size)
+        idc = jax.lax.dynamic_slice_in_dim(ids, start, size)
+        z = head.logits(hc)
+        if z.dtype.itemsize < 4:  # keep the rounded logits narrow; consumers upcast on the fly
+            z = jax.lax.optimization_barrier(z)
+        s = z.astype(_F32) / temperature
+        chosen = jnp.take_along_axis(s, jnp.clip(idc, 0, vocab - 1)[:, None], axis=1)[:, 0]
+        logp, lse_c, ent = finish(*chunk_stats(s, stats_block), chosen)
+        stats = tuple(jax.lax.dynamic_update_slice_in_dim(o, x, start, 0)
+                      for o, x in zip(stats, (logp, lse_c, ent), strict=True))
+        if grads is None:
+            return stats, None
+        dh_bits, dw, db = grads
+        coef = (grad_fn(start, size, logp) / temperature)[:, None]
+        hit = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) == idc[:, None]
+        if lse is not None:
+            lse_c = jax.lax.dynamic_slice_in_dim(lse, start, size)
+        delta = cast_to(coef * (hit.astype(_F32) - jnp.exp(s - lse_c[:, None])),
+                        delta_dtype(head.logits_dtype, head.w.dtype))
+        dhc = head.dhidden(delta)
+        dhc = _as_bits((dhc if reduce_dh is None else reduce_dh(dhc)).astype(h.dtype))
+        dh_bits = jax.lax.dynamic_update_slice_in_dim(dh_bits, dhc, start, 0)
+        dw = _accumulate_dweight(dw, jax.lax.optimization_barrier(hc.T), delta, dw_rows)
+        if db is not None:
+            db = db + jnp.sum(delta.astype(_F32), axis=0)
+        return stats, (dh_bits, dw, db)
+
+    # Inside shard_map the carries are typed like the data each is made of; a dh that is
+    # summed over the vocab axis per chunk does not vary over it.
+    like = (h, ids, head.w) + (() if lse is None else (lse,))
+    stats0 = vary_like(tuple(jnp.zeros((n,), _F32) for _ in range(3)), *like)
+    grads0 = None
+    if grad_fn is not None:
+        dh0 = _as_bits(jnp.zeros((n, hidden), h.dtype))
+        dh0 = vary_like(dh0, h) if reduce_dh is not None else vary_like(dh0, *like)
+        grads0 = (dh0, vary_like(jnp.zeros((hidden, vocab), _F32), *like),
+                  None if head.bias is None else vary_like(jnp.zeros((vocab,), _F32), *like))
+    stats, grads = sweep(n, rows, chunk, (stats0, grads0))
+    if grads is not None:
+        dh, dw, db = grads
+        grads = (_from_bits(dh, h.dtype), dw if head.layout == "hv" else dw.T, db)
+    return stats, grads

