@@ -67,8 +67,8 @@ def linear(x: Array, w: Array, dtype: Any) -> Array:
 
     For bfloat16 this is the rounding of a bfloat16-output dot, but XLA:CPU runs a
     float32-output dot of bfloat16 operands on its fast matmul path and a bfloat16-output one on
-    a slow path (``[16, 576] x [576, 1536]``: 0.30 ms against 0.73 ms on the development
-    machine, ``benchmarks/decoder_cpu_probes.py --only dots``, docs/benchmarks.md). The
+    a slow path (``benchmarks/decoder_cpu_probes.py --only dots``; the figures are in
+    docs/benchmarks.md). The
     gradient is written out for the same reason:
 
     .. math::
@@ -78,7 +78,7 @@ def linear(x: Array, w: Array, dtype: Any) -> Array:
 
     both as plain ``[M, K] x [K, N]`` products of materialised transposes in ``dtype`` (the
     form XLA:CPU hands to its fast library; ``x^T g`` written as a contraction over the rows
-    of both ran ~5x slower). ``w`` enters in its stored dtype, so float32 parameters get a
+    of both ran several times slower). ``w`` enters in its stored dtype, so float32 parameters get a
     float32 gradient rather than one rounded to ``dtype``.
     """
     return _linear(x.astype(dtype), w, jnp.dtype(dtype))

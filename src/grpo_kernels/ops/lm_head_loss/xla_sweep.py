@@ -96,8 +96,7 @@ def chunk_stats(s: Array, block: int | None) -> tuple[Array, Array, Array]:
 
     On CPU the entropy's two sums over a whole row made XLA materialise ``exp(s - m)`` and
     ``exp(s - m) (s - m)`` as two float32 ``[c, V]`` arrays; over 4096-column blocks those are
-    small, and a 256-row chunk at ``V = 32768`` keeps its temporaries 16 MiB lower and ran as
-    fast (docs/lm_head.md).
+    small, and the chunk's temporaries drop without losing time (docs/lm_head.md).
     """
     rows, vocab = s.shape
     if block is None or vocab <= block:
@@ -131,7 +130,7 @@ def _slice_rows(x: Array, start: Any, size: int, axis: int = 0) -> Array:
 
 GradFn = Callable[[Any, int, Array], Array]
 
-# float32 elements of one dW update product [rows, V] on CPU (16 MiB; docs/lm_head.md).
+# float32 elements of one dW update product [rows, V] on CPU (docs/lm_head.md says why).
 DWEIGHT_ELEMENTS = 1 << 22
 
 
@@ -141,8 +140,8 @@ def dweight_rows(hidden: int, vocab: int, backend: str | None = None) -> int:
     CPU: :data:`DWEIGHT_ELEMENTS` over ``V``, a multiple of 8, at most ``H``. A vocabulary
     shard passes the global ``V`` (its product shrinks with it). GPU and TPU: all ``H`` rows,
     one ``[H, c] x [c, V]`` product per chunk. Row blocks of a few dozen rows are skinny
-    matmuls that each re-read the whole ``delta``; on an H100 they made the fused op 2x slower
-    than the materialised reference (docs/benchmarks.md).
+    matmuls that each re-read the whole ``delta``; on an H100 they made the fused op slower
+    than the materialised reference (docs/benchmarks.md, "GPU").
     """
     if (backend or jax.default_backend()) != "cpu":
         return hidden
@@ -160,7 +159,7 @@ def _accumulate_dweight(dw: Array, hc_t: Array, delta: Array, rows: int) -> Arra
     columns leaves ``delta`` unsliced: XLA:CPU slices 16-bit floats only through an integer
     view, and ``delta`` in two types was computed twice, with ``exp`` materialised in float32
     between (docs/lm_head.md). The ``"vh"`` form ``delta^T h`` contracts the rows of both
-    operands and ran 2-3x slower there; its ``[V, H]`` result is one transpose of the
+    operands and ran slower there; its ``[V, H]`` result is one transpose of the
     accumulator at the end.
     """
     def body(row, height, acc):

@@ -16,7 +16,7 @@ and store in 16-byte vectors.
 
 Why one program per tile: with one program per row sweeping all of ``V`` (the first design), a
 4096-column tile in registers allowed about three programs per multiprocessor, and the whole
-step ran at 1.0-1.2 TB/s on an H100 whose copy runs at 2.9 TB/s (docs/benchmarks.md). Tiles
+step ran at well under half of an H100's copy bandwidth (docs/benchmarks.md, "GPU"). Tiles
 give ``N V / block_vocab`` independent programs and the scheduler keeps the memory system busy.
 
 Why Triton and not Mosaic GPU: in jax 0.10-0.11 the Triton lowering covers every NVIDIA GPU JAX
@@ -54,9 +54,8 @@ class GpuBlocks:
 def plan_blocks(vocab: int, block_vocab: int | None = None) -> GpuBlocks:
     """Power-of-two tile of at most 8192 columns, 4 warps (64 columns per thread).
 
-    On an H100 (bf16, V = 151,643) 8192-column tiles gave the fastest whole step at
-    B=4, T=1024 and within 2% of the fastest at B=1, T=2048 among tiles of 1024-8192
-    columns (benchmarks/gpu_probes.py step; docs/benchmarks.md).
+    The tile the H100 probe of tiles from 1024 to 8192 columns chose (benchmarks/gpu_probes.py
+    step; the figures are in docs/benchmarks.md, "GPU").
     """
     if block_vocab is None:
         block_vocab = min(8192, pl.next_power_of_2(vocab))

@@ -29,7 +29,7 @@ fuses into the same kernel. No float32 ``[B, T, V]`` array exists at any point.
 
 Why the gradient is not written chunk by chunk inside the loop: XLA's CPU backend has no native
 bfloat16 ``dynamic-update-slice``/``dynamic-slice``/``scatter``; it upcasts the *whole* buffer to
-float32 around each one (measured: 10x slower and a float32 copy of the logits). The loop
+float32 around each one (slow, and a float32 copy of the logits: docs/xla.md). The loop
 therefore slices a ``uint16`` view of bfloat16 logits and writes only float32 row statistics.
 """
 
