@@ -7,7 +7,10 @@ from grpo_kernels.ops.lm_head_loss.api import (
     grpo_loss_from_hidden,
 )
 from grpo_kernels.ops.lm_head_loss.head import LAYOUTS
-from grpo_kernels.ops.lm_head_loss.pallas_tpu import LmHeadPallasBlockSizes, LmHeadPallasOptions
+from grpo_kernels.ops.lm_head_loss.pallas_options import (
+    LmHeadPallasBlockSizes,
+    LmHeadPallasOptions,
+)
 from grpo_kernels.ops.lm_head_loss.xla import LmHeadBlockSizes
 
 __all__ = ["IMPL_CHOICES", "IMPLEMENTATIONS", "LAYOUTS", "LmHeadBlockSizes",

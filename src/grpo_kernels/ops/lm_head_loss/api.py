@@ -17,7 +17,8 @@ from grpo_kernels.ops.core.validate import (
     validate_token_inputs,
 )
 from grpo_kernels.ops.lm_head_loss.head import LAYOUTS, HeadFormat
-from grpo_kernels.ops.lm_head_loss.pallas_tpu import LmHeadPallasOptions, pallas_lm_head_loss
+from grpo_kernels.ops.lm_head_loss.pallas_options import LmHeadPallasOptions
+from grpo_kernels.ops.lm_head_loss.pallas_tpu import pallas_lm_head_loss
 from grpo_kernels.ops.lm_head_loss.reference import reference_lm_head_loss
 from grpo_kernels.ops.lm_head_loss.xla import LmHeadBlockSizes, xla_lm_head_loss
 

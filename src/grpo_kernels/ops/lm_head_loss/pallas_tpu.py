@@ -30,7 +30,6 @@ masking is complete.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -44,83 +43,13 @@ from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import common_dtype
 from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats
-from grpo_kernels.ops.core.options import check_int, check_interpret, resolved_interpret
-from grpo_kernels.ops.core.validate import backend_kind
 from grpo_kernels.ops.core.vjp import loss_with_gradient
 from grpo_kernels.ops.lm_head_loss.head import HeadFormat, delta_dtype
 from grpo_kernels.ops.lm_head_loss.head import matmul as _dot
+from grpo_kernels.ops.lm_head_loss.pallas_options import LmHeadPallasOptions, Tiles, plan_tiles
 
 Array = jax.Array
 _F32 = jnp.float32
-
-
-@dataclasses.dataclass(frozen=True)
-class LmHeadPallasBlockSizes:
-    """Tiling of the Pallas LM-head kernels (TPU tiling rules, checked on construction).
-
-    Attributes:
-      block_rows: Rows per grid step ``tm`` (multiple of 16); ``None``: 256, or fewer for
-        small ``N``.
-      block_vocab: Vocabulary tile ``tv`` (multiple of 128); ``None``: 512.
-      block_hidden: ``H`` tile ``tk`` of the statistics kernel (a divisor of ``H``, multiple of
-        128, or ``H``); ``None``: the largest of 2048, 1024, 512 that divides ``H``, else ``H``.
-    """
-
-    block_rows: int | None = None
-    block_vocab: int | None = None
-    block_hidden: int | None = None
-
-    def __post_init__(self) -> None:
-        for name, mult in (("block_rows", 16), ("block_vocab", 128), ("block_hidden", 128)):
-            check_int("LmHeadPallasBlockSizes", name, getattr(self, name), multiple=mult,
-                      why=" (TPU tiling)")
-
-
-@dataclasses.dataclass(frozen=True)
-class LmHeadPallasOptions:
-    """Options of ``impl="pallas"`` for the fused head.
-
-    Attributes:
-      blocks: The kernels' tiling; ``None``: the defaults of :class:`LmHeadPallasBlockSizes`.
-      vmem_limit_bytes: Scoped VMEM limit of the kernels; ``None``: 64 MiB.
-      interpret: Interpret mode; ``None``: exactly when the backend is CPU; ``"hlo"``: JAX's
-        generic HLO interpreter (what :mod:`grpo_kernels.sharding` uses on a CPU mesh).
-    """
-
-    blocks: LmHeadPallasBlockSizes | None = None
-    vmem_limit_bytes: int | None = None
-    interpret: bool | str | None = None
-
-    def __post_init__(self) -> None:
-        check_interpret("LmHeadPallasOptions", self.interpret)
-        check_int("LmHeadPallasOptions", "vmem_limit_bytes", self.vmem_limit_bytes)
-        if self.blocks is not None and not isinstance(self.blocks, LmHeadPallasBlockSizes):
-            raise ValueError(f"LmHeadPallasOptions.blocks must be None or an "
-                             f"LmHeadPallasBlockSizes, got {type(self.blocks).__name__}")
-
-    def resolved_interpret(self, backend: str | None = None) -> bool | str:
-        return resolved_interpret(self.interpret, backend_kind(backend))
-
-
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    rows: int
-    vocab: int
-    hidden: int
-    vmem_limit_bytes: int
-
-
-def plan_tiles(n: int, hidden: int, vocab: int, opts: LmHeadPallasOptions) -> Tiles:
-    """Tile sizes for ``N`` rows, hidden size ``H`` and vocabulary ``V`` (see the options)."""
-    blocks = opts.blocks or LmHeadPallasBlockSizes()
-    rows = blocks.block_rows or min(256, -(-n // 16) * 16)
-    tv = blocks.block_vocab or min(512, -(-vocab // 128) * 128)
-    tk = blocks.block_hidden
-    if tk is None:
-        tk = next((c for c in (2048, 1024, 512) if hidden % c == 0 and c < hidden), hidden)
-    if hidden % tk:
-        raise ValueError(f"LmHeadPallasBlockSizes.block_hidden={tk} must divide H={hidden}")
-    return Tiles(rows, tv, tk, opts.vmem_limit_bytes or (64 << 20))
 
 
 def _params(tiles: Tiles, semantics: tuple[str, ...]) -> Any:
