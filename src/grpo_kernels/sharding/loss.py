@@ -85,11 +85,9 @@ def _logits_pieces(primals, impl, options, tau, spec, vocab) -> Pieces:
     del spec, vocab
     (z,) = primals
     if impl == "xla":
-        stats, grad = logits_xla.pieces(z.shape, options, tau)
-    else:
-        opts = _on_mesh(options, logits_pallas.PallasOptions())
-        stats, grad = logits_pallas.pieces(z.shape, z.dtype, opts, tau)
-    return (lambda p, ids: stats(p[0], ids)), (lambda p, *rest: grad(p[0], *rest))
+        return logits_xla.pieces(z.shape, options, tau)
+    opts = _on_mesh(options, logits_pallas.PallasOptions())
+    return logits_pallas.pieces(z.shape, z.dtype, opts, tau)
 
 
 LOGITS = OpKind(local_vocab=lambda p: p[0].shape[-1], reference_logits=lambda p: p[0],

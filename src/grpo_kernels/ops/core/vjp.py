@@ -74,3 +74,24 @@ def loss_with_gradient(forward: Forward, backward: Backward = scale_by_cotangent
 
     loss.defvjp(loss_fwd, loss_bwd)
     return loss
+
+
+def loss_from_pieces(stats: Callable, grad: Callable, ids: Array, config: Any,
+                     primals: tuple, batch: Any) -> tuple[Array, dict[str, Array]]:
+    """The loss of a backend given as statistics and gradient pieces (the Pallas kernels).
+
+    ``stats(primals, ids)`` gives the ``[B, T]`` ``(logp, lse, entropy)``; the forward turns
+    them into the loss and ``g = dL/dlogp`` (``batch.loss``) and keeps ``(primals, lse, g)``,
+    ``O(N)`` beyond the primals; the backward runs ``grad(primals, ids, lse, g * cotangent)``.
+    """
+
+    def forward(primals, batch, with_grad):
+        logp, lse, entropy = stats(primals, ids)
+        loss, metrics, g = batch.loss(logp, entropy, config, with_grad)
+        return (loss, metrics), (primals, lse, g)
+
+    def backward(residuals, cotangent):
+        primals, lse, g = residuals
+        return grad(primals, ids, lse, g * cotangent)
+
+    return loss_with_gradient(forward, backward)(primals, batch)

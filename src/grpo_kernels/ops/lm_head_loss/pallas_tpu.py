@@ -43,7 +43,7 @@ from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import common_dtype
 from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats
-from grpo_kernels.ops.core.vjp import loss_with_gradient
+from grpo_kernels.ops.core.vjp import loss_from_pieces
 from grpo_kernels.ops.lm_head_loss.head import HeadFormat, delta_dtype
 from grpo_kernels.ops.lm_head_loss.head import matmul as _dot
 from grpo_kernels.ops.lm_head_loss.pallas_options import LmHeadPallasOptions, Tiles, plan_tiles
@@ -318,15 +318,5 @@ def pallas_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch
                         | None = None) -> tuple[Array, dict[str, Array]]:
     """The fused loss on the TPU kernels; args and returns as ``grpo_loss_from_hidden``."""
     stats, grad = pieces(hidden, lm_head, fmt, options, config.temperature)
-    ids = batch.clamped_ids(fmt.vocab(lm_head))
-
-    def forward(primals, batch, with_grad):
-        logp, lse, ent = stats(primals, ids)
-        loss, metrics, g = batch.loss(logp, ent, config, with_grad)
-        return (loss, metrics), (primals, lse, g)
-
-    def backward(residuals, cotangent):
-        primals, lse, g = residuals
-        return grad(primals, ids, lse, g * cotangent)
-
-    return loss_with_gradient(forward, backward)((hidden, lm_head, bias), batch)
+    return loss_from_pieces(stats, grad, batch.clamped_ids(fmt.vocab(lm_head)), config,
+                            (hidden, lm_head, bias), batch)

@@ -25,7 +25,7 @@ from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.options import check_int, check_interpret, resolved_interpret
 from grpo_kernels.ops.core.validate import backend_kind
-from grpo_kernels.ops.core.vjp import loss_with_gradient
+from grpo_kernels.ops.core.vjp import loss_from_pieces
 from grpo_kernels.ops.logits_loss import pallas_gpu, pallas_tpu
 
 Array = jax.Array
@@ -119,19 +119,20 @@ def kernels(vocab: int, dtype, opts: PallasOptions):
 
 
 def pieces(shape: tuple[int, ...], dtype, options: PallasOptions | None, temperature: float):
-    """``(stats, grad)`` on ``[B, T, V_k]`` logits, as :func:`..xla.pieces`: ``stats(z, ids)``
-    -> ``[B, T]`` ``(logp, lse, entropy)``; ``grad(z, hit_ids, lse, g)`` -> ``(dz,)`` where
-    ``g`` already carries the loss cotangent."""
+    """``(stats, grad)`` on primals ``(z,)``, ``z`` ``[B, T, V_k]`` logits, as
+    :func:`..xla.pieces`: ``stats((z,), ids)`` -> ``[B, T]`` ``(logp, lse, entropy)``;
+    ``grad((z,), hit_ids, lse, g)`` -> ``(dz,)`` where ``g`` already carries the loss
+    cotangent."""
     b, t, vocab = shape
     n = b * t
     row_stats, row_grad = kernels(vocab, dtype, options or PallasOptions())
 
-    def stats(z, ids):
-        out = row_stats(z.reshape(n, vocab), ids.reshape(n), temperature)
+    def stats(primals, ids):
+        out = row_stats(primals[0].reshape(n, vocab), ids.reshape(n), temperature)
         return tuple(x.reshape(b, t) for x in out)
 
-    def grad(z, hit_ids, lse, g):
-        dz = row_grad(z.reshape(n, vocab), hit_ids.reshape(n), lse.reshape(n),
+    def grad(primals, hit_ids, lse, g):
+        dz = row_grad(primals[0].reshape(n, vocab), hit_ids.reshape(n), lse.reshape(n),
                       (g / temperature).reshape(n), temperature)
         return (dz.reshape(b, t, vocab),)
 
@@ -145,16 +146,5 @@ def pallas_grpo_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
     Args, returns: as :func:`grpo_kernels.grpo_loss` (checked there).
     """
     stats, grad = pieces(logits.shape, logits.dtype, options, config.temperature)
-    ids = batch.clamped_ids(logits.shape[-1])
-
-    def forward(primals, batch, with_grad):
-        (z,) = primals
-        logp, lse, entropy = stats(z, ids)
-        loss, metrics, g = batch.loss(logp, entropy, config, with_grad)
-        return (loss, metrics), (z, lse, g)
-
-    def backward(residuals, cotangent):
-        z, lse, g = residuals
-        return grad(z, ids, lse, g * cotangent)
-
-    return loss_with_gradient(forward, backward)((logits,), batch)
+    return loss_from_pieces(stats, grad, batch.clamped_ids(logits.shape[-1]), config,
+                            (logits,), batch)

@@ -234,20 +234,21 @@ def xla_grpo_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
 
 
 def pieces(shape: tuple[int, ...], options: XlaBlockSizes | None, temperature: float):
-    """``(stats, grad)`` for a ``[B, T, V_k]`` block of logits (a vocabulary shard):
+    """``(stats, grad)`` on primals ``(z,)``, ``z`` a ``[B, T, V_k]`` block of logits (a
+    vocabulary shard):
 
-    ``stats(z, ids)`` gives the ``[B, T]`` ``(logp, lse, entropy)`` of the block's columns;
-    ``grad(z, hit_ids, lse, g)`` the block's ``dz`` given the whole row's ``lse`` and
+    ``stats((z,), ids)`` gives the ``[B, T]`` ``(logp, lse, entropy)`` of the block's columns;
+    ``grad((z,), hit_ids, lse, g)`` the block's ``(dz,)`` given the whole row's ``lse`` and
     ``g = dL/dlogp`` (an id of ``-1`` hits no column). See :mod:`grpo_kernels.sharding`.
     """
     b, t, vocab = shape
     rows, block_v = plan_blocks(b * t, vocab, options or XlaBlockSizes(), jax.default_backend())
 
-    def stats(z, ids):
-        out = row_statistics(z, ids.reshape(-1), temperature, rows, block_v)
+    def stats(primals, ids):
+        out = row_statistics(primals[0], ids.reshape(-1), temperature, rows, block_v)
         return tuple(x.reshape(b, t) for x in out)
 
-    def grad(z, hit_ids, lse, g):
-        return (logits_gradient(z, hit_ids, lse, g, temperature),)
+    def grad(primals, hit_ids, lse, g):
+        return (logits_gradient(primals[0], hit_ids, lse, g, temperature),)
 
     return stats, grad
