@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +44,41 @@ def loss_grid_split(time: int, dtypes: tuple = (jnp.float32, jnp.bfloat16)):
 def grid_id(cfg: GRPOLossConfig) -> str:
     return (f"{cfg.loss_type}-{cfg.importance_sampling_level}-b{cfg.beta}-d{cfg.delta}"
             f"-t{cfg.temperature}")
+
+
+_REFERENCE_RESULTS: dict[tuple, Any] = {}
+
+
+def fingerprint(tree: Any) -> str:
+    """A digest of every array leaf of ``tree``: its path, dtype, shape and bytes (a
+    dataclass of arrays is taken field by field)."""
+    if dataclasses.is_dataclass(tree):
+        tree = {f.name: getattr(tree, f.name) for f in dataclasses.fields(tree)}
+    digest = hashlib.blake2b(digest_size=16)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        a = np.asarray(leaf)
+        digest.update(f"{jax.tree_util.keystr(path)}{a.dtype}{a.shape}".encode())
+        digest.update(np.ascontiguousarray(a).tobytes())
+    return digest.hexdigest()
+
+
+def cached_reference(key: tuple, inputs: Any, compute: Callable[[], Any]) -> Any:
+    """``compute()`` once per ``key`` and input values in this process: the reference results
+    that several implementations (or kernels) are compared with.
+
+    ``key`` holds the config and options (hashable); the inputs are keyed by their values, so a
+    test that edits an input gets a fresh result.
+    """
+    full = (key, fingerprint(inputs))
+    if full not in _REFERENCE_RESULTS:
+        _REFERENCE_RESULTS[full] = compute()
+    return _REFERENCE_RESULTS[full]
+
+
+def reference_value_and_grad(inp, cfg, **kw):
+    """:func:`value_and_grad` of the reference implementation, cached per config and inputs."""
+    key = ("logits", cfg, tuple(sorted(kw.items())))
+    return cached_reference(key, inp, lambda: value_and_grad("reference", inp, cfg, **kw))
 
 
 def value_and_grad(impl, inp, cfg, jit=True, **kw):

@@ -14,7 +14,7 @@ from grpo_kernels.ops.lm_head_loss import pallas_tpu
 from grpo_kernels.ops.lm_head_loss import xla_sweep
 from grpo_kernels.ops.lm_head_loss.head import delta_dtype
 from grpo_kernels.ops.lm_head_loss.xla import plan_chunk
-from tests.helpers import as64, rel_err
+from tests.helpers import as64, cached_reference, rel_err
 from tests.oracle import oracle
 
 B, T, H, V = 2, 13, 256, 1000
@@ -53,8 +53,14 @@ def run(impl, inputs, cfg, layout="hv", **kw):
     return loss, metrics, grads
 
 
+def run_reference(inputs, cfg, layout="hv"):
+    """:func:`run` of the reference, cached per config, layout and inputs."""
+    return cached_reference(("head", cfg, layout), inputs,
+                            lambda: run("reference", inputs, cfg, layout))
+
+
 def assert_close(impl, inputs, cfg, layout="hv", tol=1e-5, **kw):
-    loss_r, m_r, g_r = run("reference", inputs, cfg, layout)
+    loss_r, m_r, g_r = run_reference(inputs, cfg, layout)
     loss_k, m_k, g_k = run(impl, inputs, cfg, layout, **kw)
     assert np.isfinite(float(loss_k))
     np.testing.assert_allclose(float(loss_k), float(loss_r), rtol=tol, atol=tol)

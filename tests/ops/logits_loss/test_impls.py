@@ -13,7 +13,8 @@ from grpo_kernels.ops.logits_loss import IMPLEMENTATIONS
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
 from grpo_kernels.ops.core.reference import token_logp_and_entropy
 from tests.oracle import oracle
-from tests.helpers import as64, grid_id, loss_grid, rel_err, value_and_grad
+from tests.helpers import (as64, grid_id, loss_grid, reference_value_and_grad, rel_err,
+                           value_and_grad)
 
 FAST = [i for i in IMPLEMENTATIONS if i != "reference"]
 B, T, V = 3, 13, 301
@@ -24,7 +25,7 @@ METRICS = ("entropy", "kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_reg
 
 def assert_matches_reference(impl, inp, cfg, metrics=METRICS, **kw):
     tol = TOL[inp.logits.dtype.type]
-    loss_r, m_r, g_r = value_and_grad("reference", inp, cfg)
+    loss_r, m_r, g_r = reference_value_and_grad(inp, cfg)
     loss_k, m_k, g_k = value_and_grad(impl, inp, cfg, **kw)
     assert g_k.dtype == inp.logits.dtype and g_k.shape == inp.logits.shape
     assert np.isfinite(float(loss_k)) and bool(jnp.all(jnp.isfinite(g_k.astype(jnp.float32))))
@@ -115,7 +116,7 @@ def test_extreme_and_masked_vocab_logits_stay_finite(impl, dtype):
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-2)
     np.testing.assert_allclose(float(metrics["entropy"]), want["entropy"], atol=5e-3)
     if impl != "reference":
-        _, _, want_grad = value_and_grad("reference", inp, cfg)
+        _, _, want_grad = reference_value_and_grad(inp, cfg)
         assert rel_err(grad, want_grad) <= TOL[dtype]["grad"]
 
 
@@ -124,7 +125,7 @@ def test_on_policy_and_donated_logits(impl):
     cfg = GRPOLossConfig(loss_type="bnpo")
     inp = random_inputs(15, B, T, V, jnp.bfloat16, cfg, on_policy=True)
     assert_matches_reference(impl, inp, cfg)
-    _, _, want = value_and_grad("reference", inp, cfg)
+    _, _, want = reference_value_and_grad(inp, cfg)
 
     def fn(z):
         return grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=cfg, impl=impl)[0]

@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from grpo_kernels import GRPOLossConfig, PallasBlockSizes, PallasOptions, grpo_loss
 from grpo_kernels.ops.logits_loss import pallas_tpu
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
-from tests.helpers import grid_id, loss_grid_split, rel_err, value_and_grad
+from tests.helpers import grid_id, loss_grid_split, reference_value_and_grad, rel_err
 from tests.ops.logits_loss.test_impls import assert_matches_reference
 
 KERNELS = ("tpu", "gpu")
@@ -98,7 +98,7 @@ def test_tpu_interpret_mode_raises_on_out_of_bounds_reads():
 def test_dlogits_into_the_donated_logits_buffer(kernel):
     cfg = GRPOLossConfig(loss_type="bnpo")
     inp = random_inputs(8, 4, 8, 300, jnp.bfloat16, cfg)  # 32 rows: two full blocks of 16
-    _, _, want = value_and_grad("reference", inp, cfg)
+    _, _, want = reference_value_and_grad(inp, cfg)
     opts = PallasOptions(kernel=kernel, alias_logits=True, blocks=PallasBlockSizes(
         block_rows=16 if kernel == "tpu" else None, block_vocab=128))
 
