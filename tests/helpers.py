@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_kernels import GRPOLossConfig, grpo_loss
-from grpo_kernels.config import LOSS_TYPES
+from grpo_kernels.config import LOSS_AGG_MODES, LOSS_TYPES
 
 
 GRID_LEVELS = (LOSS_TYPES, ("token", "sequence"), (0.0, 0.04), (None, 2.0), (1.0, 0.7))
@@ -39,6 +39,37 @@ def loss_grid_split(time: int, dtypes: tuple = (jnp.float32, jnp.bfloat16)):
     for index in itertools.product(*(range(len(levels)) for levels in GRID_LEVELS)):
         values = [levels[i] for levels, i in zip(GRID_LEVELS, index, strict=True)]
         yield _grid_config(time, *values), dtypes[sum(index) % len(dtypes)]
+
+
+def option_grid(time: int) -> list[tuple[GRPOLossConfig, bool]]:
+    """The options beyond TRL's loss grid (tunix's aggregations, KL estimators and clamp, dual
+    clip, log-ratio clamps, GSPO-token), each on its own and in a tunix-like mix, as
+    ``(config, with_sampler_weights)``. With :func:`random_inputs`' ``noise=0.3`` every clamp and
+    clip here is active on some tokens."""
+    base = dict(beta=0.04, temperature=0.7, max_completion_length=time, epsilon_high=0.28)
+    variants = [
+        *({"loss_agg_mode": mode} for mode in LOSS_AGG_MODES),
+        {"kl_estimator": "k1"}, {"kl_estimator": "k2"}, {"kl_clamp": 0.02},
+        {"dual_clip": 1.2}, {"log_ratio_clamp": 0.25},
+        {"importance_sampling_level": "sequence", "log_ratio_clamp": 0.25,
+         "sequence_log_ratio_max": 0.05},
+        {"importance_sampling_level": "sequence_token"},
+        {"importance_sampling_level": "sequence_token", "sequence_log_ratio_max": 0.05},
+        {"importance_sampling_level": "sequence_token", "loss_agg_mode": "seq-mean-token-sum",
+         "kl_estimator": "k1", "dual_clip": 1.2, "log_ratio_clamp": 0.25,
+         "sequence_log_ratio_max": 0.1, "loss_type": "dr_grpo"},
+    ]
+    return [(GRPOLossConfig(**{**base, **v}), i % 2 == 1) for i, v in enumerate(variants)]
+
+
+def option_id(item) -> str:
+    cfg, sampler = item
+    fields = ("loss_agg_mode", "kl_estimator", "kl_clamp", "dual_clip", "log_ratio_clamp",
+              "sequence_log_ratio_max")
+    parts = [cfg.importance_sampling_level] + [
+        f"{f}={getattr(cfg, f)}" for f in fields
+        if getattr(cfg, f) != GRPOLossConfig.__dataclass_fields__[f].default]
+    return "-".join(parts) + ("-sampler" if sampler else "")
 
 
 def grid_id(cfg: GRPOLossConfig) -> str:

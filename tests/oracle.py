@@ -9,8 +9,32 @@ from __future__ import annotations
 import numpy as np
 
 
-def oracle(logits, ids, mask, adv, cfg, old=None, ref=None, num_items=None):
-    """Returns ``(loss, metrics)`` in float64. Inputs are NumPy arrays (any float dtype)."""
+def _aggregate(per_token, mask, cfg, num_items):
+    """TRL's aggregation by ``loss_type``, or tunix's ``loss_agg_mode`` (common.aggregate_loss)."""
+    mode = cfg.loss_agg_mode
+    seq_sum = (per_token * mask).sum(-1)
+    rows = max((mask.sum(-1) > 0).sum(), 1)
+    if mode == "token-mean" or (mode is None and cfg.loss_type == "bnpo"):
+        return (per_token * mask).sum() / max(mask.sum(), 1)
+    if mode == "sequence-mean-token-mean":
+        return (seq_sum / np.maximum(mask.sum(-1), 1)).sum() / rows
+    if mode == "sequence-mean-token-scale":
+        return (seq_sum / per_token.shape[-1]).sum() / rows
+    if mode in ("seq-mean-token-sum", "sequence-mean-token-sum-norm"):
+        return seq_sum.sum() / rows
+    if cfg.loss_type == "grpo":
+        return (seq_sum / np.maximum(mask.sum(-1), 1)).mean()
+    if cfg.loss_type == "dr_grpo":
+        return seq_sum.sum() / (per_token.shape[0] * cfg.max_completion_length)
+    norm = max(mask.sum(), 1) if num_items is None else num_items
+    return seq_sum.sum() / norm
+
+
+def oracle(logits, ids, mask, adv, cfg, old=None, ref=None, num_items=None, sampler=None):
+    """Returns ``(loss, metrics)`` in float64. Inputs are NumPy arrays (any float dtype).
+
+    The value only: at ``importance_sampling_level="sequence_token"`` the loss equals the
+    ``sequence`` one (the levels differ in their gradients alone)."""
     s = np.asarray(logits, np.float64) / cfg.temperature
     m = s.max(-1, keepdims=True)
     lse = m + np.log(np.exp(s - m).sum(-1, keepdims=True))
@@ -24,31 +48,34 @@ def oracle(logits, ids, mask, adv, cfg, old=None, ref=None, num_items=None):
     mask = np.asarray(mask, np.float64)
     adv = np.asarray(adv, np.float64)[:, None]
     old = logp if old is None else np.asarray(old, np.float64)
+    diff = logp - old
+    if cfg.log_ratio_clamp is not None:
+        diff = np.clip(diff, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     if cfg.importance_sampling_level == "token":
-        log_w = logp - old
+        log_w = diff
     else:
-        log_w = ((logp - old) * mask).sum(-1, keepdims=True) / np.maximum(mask.sum(-1, keepdims=True), 1)
+        log_w = (diff * mask).sum(-1, keepdims=True) / np.maximum(mask.sum(-1, keepdims=True), 1)
+        if cfg.sequence_log_ratio_max is not None:
+            log_w = np.minimum(log_w, cfg.sequence_log_ratio_max)
     coef_1 = np.exp(log_w)
     coef_2 = np.clip(coef_1, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
     if cfg.delta is not None:
         coef_1 = np.minimum(coef_1, cfg.delta)
-    per_token = -np.minimum(coef_1 * adv, coef_2 * adv)
-    per_token = np.broadcast_to(per_token, logp.shape)
+    policy = -np.minimum(coef_1 * adv, coef_2 * adv)
+    if cfg.dual_clip is not None:
+        policy = np.where(adv < 0, np.minimum(policy, -cfg.dual_clip * adv), policy)
+    policy = np.broadcast_to(policy, logp.shape)
+    if sampler is not None:
+        policy = policy * np.asarray(sampler, np.float64)
     kl = None
     if ref is not None:
         d = np.asarray(ref, np.float64) - logp
-        kl = np.exp(d) - d - 1
-    if cfg.beta > 0:
-        per_token = per_token + cfg.beta * kl
-    if cfg.loss_type == "grpo":
-        loss = ((per_token * mask).sum(-1) / np.maximum(mask.sum(-1), 1)).mean()
-    elif cfg.loss_type == "bnpo":
-        loss = (per_token * mask).sum() / max(mask.sum(), 1)
-    elif cfg.loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / (per_token.shape[0] * cfg.max_completion_length)
-    else:
-        norm = max(mask.sum(), 1) if num_items is None else num_items
-        loss = (per_token * mask).sum() / norm
+        kl = {"k3": np.exp(d) - d - 1, "k1": -d, "k2": d * d / 2}[cfg.kl_estimator]
+        if cfg.kl_clamp is not None:
+            kl = np.clip(kl, -cfg.kl_clamp, cfg.kl_clamp)
+    policy_loss = _aggregate(policy, mask, cfg, num_items)
+    kl_loss = 0.0 if kl is None else _aggregate(kl, mask, cfg, num_items)
+    loss = policy_loss + cfg.beta * kl_loss if cfg.beta > 0 else policy_loss
 
     n_tok = max(mask.sum(), 1)
 
@@ -66,5 +93,7 @@ def oracle(logits, ids, mask, adv, cfg, old=None, ref=None, num_items=None):
         "clip_ratio_low": batch_mean(low),
         "clip_ratio_high": batch_mean(high),
         "clip_ratio_region": batch_mean(np.maximum(low, high)),
+        "policy_loss": float(policy_loss),
+        "kl_loss": float(kl_loss),
     }
     return float(loss), metrics

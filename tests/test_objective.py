@@ -8,10 +8,12 @@ import pytest
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import (
     grpo_objective,
+    kl_divergence,
     kl_k3,
     masked_mean,
     token_loss_grad,
     token_separable,
+    token_terms,
     token_weights,
 )
 
@@ -58,3 +60,88 @@ def test_sequence_level_is_not_token_separable():
     assert not token_separable(cfg)
     with pytest.raises(ValueError, match="importance_sampling_level='token'"):
         token_loss_grad(jnp.zeros(3), jnp.ones(3), jnp.ones(3), cfg)
+
+
+@pytest.mark.parametrize("mode,want_row0,want_row1", [
+    ("token-mean", 1 / 4, 1 / 4),
+    ("sequence-mean-token-mean", 1 / (3 * 2), 1 / 2),  # R = 2 non-empty rows of 3
+    ("sequence-mean-token-scale", 1 / (4 * 2), 1 / (4 * 2)),  # T = 4
+    ("seq-mean-token-sum", 1 / 2, 1 / 2),
+    ("sequence-mean-token-sum-norm", 1 / 2, 1 / 2)])
+def test_tunix_aggregation_weights(mode, want_row0, want_row1):
+    for loss_type in ("grpo", "dr_grpo"):  # loss_agg_mode replaces the loss_type's rule
+        cfg = GRPOLossConfig(loss_agg_mode=mode, loss_type=loss_type, max_completion_length=9)
+        w = np.asarray(token_weights(MASK, cfg))
+        np.testing.assert_allclose(w[0, :3], want_row0, rtol=1e-6)
+        np.testing.assert_allclose(w[1, 0], want_row1, rtol=1e-6)
+        assert (w[MASK == 0] == 0).all()
+
+
+def test_kl_estimators_and_clamp():
+    lp = jnp.array([-1.0, -2.0, -0.1])
+    ref = lp + jnp.array([0.3, -0.5, 1.0])
+    d = np.array([0.3, -0.5, 1.0])
+    for name, want in (("k3", np.exp(d) - d - 1), ("k1", -d), ("k2", d * d / 2)):
+        got = kl_divergence(lp, ref, GRPOLossConfig(kl_estimator=name))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+        clamped = kl_divergence(lp, ref, GRPOLossConfig(kl_estimator=name, kl_clamp=0.2))
+        np.testing.assert_allclose(clamped, np.clip(want, -0.2, 0.2), rtol=1e-6, atol=1e-7)
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    cfg = GRPOLossConfig(dual_clip=3.0, epsilon_high=10.0)
+    log_ratio = jnp.log(jnp.array([5.0, 5.0, 0.5]))
+    adv = jnp.array([-1.0, 1.0, -1.0])
+    terms = token_terms(jnp.zeros(3), log_ratio, adv, cfg)
+    # A < 0 at ratio 5: min(5, 3) = 3; A > 0 untouched; ratio 0.5 below the cap.
+    np.testing.assert_allclose(terms["policy"], [3.0, -5.0, 0.8], rtol=1e-6)
+
+
+def _seq_inputs(seed, noise=0.3):
+    k = jax.random.split(jax.random.PRNGKey(seed), 5)
+    logp = -jnp.abs(jax.random.normal(k[0], MASK.shape))
+    old = logp + noise * jax.random.normal(k[1], MASK.shape)
+    adv = jax.random.normal(k[2], (MASK.shape[0],))
+    sampler = jax.random.uniform(k[3], MASK.shape, minval=0.2, maxval=2.0)
+    return logp, old, adv, sampler
+
+
+def test_gspo_token_equals_gspo_without_per_token_weights():
+    logp, old, adv, _ = _seq_inputs(4)
+    cfgs = [GRPOLossConfig(importance_sampling_level=lvl, loss_agg_mode=mode)
+            for lvl in ("sequence", "sequence_token") for mode in (None, "token-mean")]
+    for seq, tok in zip(cfgs[:2], cfgs[2:], strict=True):
+        def f(c):
+            return jax.value_and_grad(lambda lp: grpo_objective(lp, MASK, adv, c, old)[0])(logp)
+        (v1, g1), (v2, g2) = f(seq), f(tok)
+        np.testing.assert_allclose(v1, v2, rtol=1e-6)
+        np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-8)
+        assert float(jnp.abs(g1).max()) > 0
+
+
+def test_gspo_token_gradient_formula_with_sampler_weights():
+    r"""GSPO-token: :math:`\partial L / \partial \log\pi_{bt} = w_{bt} s_{bt} \, \partial p /
+    \partial r (r_b)` with the sequence's ratio, token by token (no spreading over the
+    sequence, unlike GSPO), and zero past the sequence cap."""
+    logp, old, adv, sampler = _seq_inputs(5, noise=0.05)  # ratios inside the clip range
+    m = np.asarray(MASK, np.float64)
+    d = np.asarray(logp - old, np.float64)
+    r = (d * m).sum(-1, keepdims=True) / np.maximum(m.sum(-1, keepdims=True), 1)
+    assert r[0, 0] != r[1, 0]
+    for cap in (None, float(r[:2, 0].mean())):  # caps one of the two non-empty rows
+        cfg = GRPOLossConfig(importance_sampling_level="sequence_token", epsilon_high=0.28,
+                             sequence_log_ratio_max=cap)
+        got = jax.grad(lambda lp: grpo_objective(lp, MASK, adv, cfg, old,
+                                                 sampler_weights=sampler)[0])(logp)
+        a = np.asarray(adv, np.float64)[:, None]
+        ratio = np.exp(r)
+        # d/dr of -min(ratio A, clip(ratio) A): -A ratio where the unclipped term is the min.
+        clipped = np.clip(ratio, 0.8, 1.28)
+        active = ratio * a <= clipped * a
+        dp_dr = np.where(active, -a * ratio, 0.0)
+        if cap is not None:
+            dp_dr = np.where(r > cap, 0.0, dp_dr)
+        w = np.asarray(token_weights(MASK, cfg), np.float64)
+        want = w * np.asarray(sampler, np.float64) * dp_dr
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-8)
+        assert (np.abs(want).max(-1) > 0).sum() == (2 if cap is None else 1)

@@ -59,6 +59,7 @@ def test_defaults_and_round_trip():
      "model.random.family"),
     ({"rewards": {"functions": [{"name": "format"}, {"name": "x"}]}},
      "rewards.functions[1].name"),
+    ({"loss": {"options": {"loss_agg_mode": "token-mean"}}}, "loss.options.loss_agg_mode"),
 ])
 def test_bad_values_name_the_key(values, key):
     with pytest.raises(ValueError) as e:

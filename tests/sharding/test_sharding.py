@@ -28,7 +28,7 @@ from grpo_kernels.sharding import (
     sharded_grpo_loss_from_hidden,
 )
 from grpo_kernels.sharding.hlo import collectives
-from tests.helpers import as64, rel_err
+from tests.helpers import as64, option_grid, option_id, rel_err
 from tests.sharding.conftest import MESHES, make, mesh_id
 
 B, T, V = 8, 6, 64          # logits op: V/8 = 8 columns per device at tp=8
@@ -62,8 +62,11 @@ def _check(got, want):
         assert g.dtype == g_r.dtype and g.shape == g_r.shape
         assert rel_err(g, g_r) <= TOL["grad"]
     assert set(metrics) == set(metrics_r)
-    np.testing.assert_allclose(as64(metrics["logp"]), as64(metrics_r["logp"]), atol=2e-5)
-    for key in set(metrics) - {"logp"}:
+    per_token = {"logp", "token_entropy"}
+    for key in per_token:
+        np.testing.assert_allclose(as64(metrics[key]), as64(metrics_r[key]), atol=2e-5,
+                                   err_msg=key)
+    for key in set(metrics) - per_token:
         np.testing.assert_allclose(float(metrics[key]), float(metrics_r[key]),
                                    rtol=TOL["metric"], atol=TOL["metric"], err_msg=key)
 
@@ -194,6 +197,66 @@ def test_lm_head_sharded_reference_equals_one_device(m, cfg):
 @pytest.mark.parametrize("m", MESHES[1:], ids=mesh_id)
 def test_lm_head_vh_layout_with_bias(m, impl):
     _check(*_sharded_head(m, FEW[2], impl, layout="vh", bias=True))
+
+
+# --- tunix's options (aggregations over non-empty rows, clamps, dual clip, sampler weights) ---
+
+OPTIONS = option_grid(T)
+# The row-count normalisers and the sampler weights' split need a batch axis; the vocab axis
+# the whole-row statistics. xla runs every option, pallas the tunix-like mix.
+OPTION_RUNS = [(impl, i, m) for m in (MESHES[1], MESHES[3])
+               for impl, i in [*(("xla", i) for i in range(len(OPTIONS))),
+                               ("pallas", len(OPTIONS) - 1)]]
+
+
+def _option_inputs(index):
+    cfg, sampler = OPTIONS[index]
+    inp = random_inputs(9, B, T, V, jnp.float32, cfg, noise=0.3, sampler_weights=sampler)
+    # one empty completion: the non-empty-row normalisers must count over the whole batch
+    inp = inp.__class__(**{**inp.__dict__, "mask": inp.mask.at[3].set(0.0)})
+    return cfg, inp
+
+
+@pytest.mark.parametrize("impl,index,m", OPTION_RUNS,
+                         ids=[f"{impl}-{option_id(OPTIONS[i])}-{mesh_id(m)}"
+                              for impl, i, m in OPTION_RUNS])
+def test_options_equal_one_device(impl, index, m):
+    cfg, inp = _option_inputs(index)
+    mesh, spec = make(m)
+
+    def one(z):
+        return grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="reference",
+                         **inp.kwargs())
+
+    def sharded(z):
+        return sharded_grpo_loss(z, inp.ids, inp.mask, inp.advantages, mesh=mesh,
+                                 sharding=spec, config=cfg, impl=impl, **inp.kwargs())
+
+    want = jax.value_and_grad(one, has_aux=True)(inp.logits)
+    _check(jax.jit(jax.value_and_grad(sharded, has_aux=True))(inp.logits), want)
+
+
+@pytest.mark.parametrize("m", (MESHES[1], MESHES[3]), ids=mesh_id)
+def test_lm_head_options_equal_one_device(m):
+    """The tunix-like mix with sampler weights through the sharded fused head."""
+    cfg, sampler = OPTIONS[-1]
+    inp = random_head_inputs(11, HB, HT, HH, HV, jnp.float32, cfg, layout="hv")
+    weights = jax.random.uniform(jax.random.PRNGKey(2), inp.mask.shape, jnp.float32, 0.2, 2.0)
+    kw = dict(old_logps=inp.old_logps, ref_logps=inp.ref_logps, sampler_weights=weights)
+    mesh, spec = make(m)
+
+    def one(h, w):
+        return grpo_loss_from_hidden(h, w, inp.ids, inp.mask, inp.advantages, config=cfg,
+                                     impl="reference", **kw)
+
+    def sharded(h, w):
+        return sharded_grpo_loss_from_hidden(h, w, inp.ids, inp.mask, inp.advantages,
+                                             mesh=mesh, sharding=spec, config=cfg, impl="xla",
+                                             **kw)
+
+    want = jax.value_and_grad(one, argnums=(0, 1), has_aux=True)(inp.hidden, inp.lm_head)
+    step = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1), has_aux=True))
+    _check(step(inp.hidden, inp.lm_head), want)
 
 
 # --- layouts, collectives, errors ------------------------------------------------------------

@@ -306,6 +306,11 @@ class LossSection(Section):
                  "loss.impl: xla (or auto | reference | pallas)")
         choice(f"{key}.head", self.head, LOSS_HEADS)
         choice(f"{key}.impl", self.impl, LOSS_IMPLS)
+        if self.options.get("loss_agg_mode") is not None:
+            # policy.micro_scale weights micro-batches by rows or tokens; tunix's aggregations
+            # count non-empty rows, which it does not know yet.
+            fail(f"{key}.options.loss_agg_mode", "is not supported by this trainer's "
+                 "micro-batch accumulation yet; choose the aggregation with loss_type")
 
     @property
     def arm(self) -> str:

@@ -149,9 +149,11 @@ def _run(op: OpKind, primals: Primals, primal_specs: tuple, batch: TokenBatch, *
         ids=rows2, mask=rows2, advantages=spec.rows(1),
         old_logps=None if batch.old_logps is None else rows2,
         ref_logps=None if batch.ref_logps is None else rows2,
-        num_items=None if batch.num_items is None else scalar)
-    metric_specs = {"logp": rows2, **{k: scalar for k in (
-        "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "kl", "entropy")}}
+        num_items=None if batch.num_items is None else scalar,
+        sampler_weights=None if batch.sampler_weights is None else rows2)
+    metric_specs = {"logp": rows2, "token_entropy": rows2, **{k: scalar for k in (
+        "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "kl", "entropy",
+        "policy_loss", "kl_loss")}}
     body = functools.partial(_shard_loss, op=op, config=config, spec=spec, impl=impl,
                              options=options, vocab=vocab)
     fn = jax.shard_map(body, mesh=mesh, in_specs=(primal_specs, batch_specs),
@@ -162,7 +164,8 @@ def _run(op: OpKind, primals: Primals, primal_specs: tuple, batch: TokenBatch, *
 def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array, *,
                       mesh: Mesh, sharding: ShardingSpec, config: GRPOLossConfig,
                       old_logps: Array | None = None, ref_logps: Array | None = None,
-                      num_items_in_batch: Array | float | None = None, impl: str = "auto",
+                      num_items_in_batch: Array | float | None = None,
+                      sampler_weights: Array | None = None, impl: str = "auto",
                       check_ids: bool = False,
                       options: Any = None) -> tuple[Array, dict[str, Array]]:
     r""":func:`grpo_kernels.grpo_loss` with ``B`` split over ``sharding.batch_axes`` and ``V``
@@ -173,13 +176,13 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
     the layout below); nothing of size ``[B, T, V]`` is gathered.
 
     Layout inside: ``logits`` ``P(batch_axes, None, vocab_axis)``; ``[B, T]`` inputs and the
-    ``logp`` metric ``P(batch_axes, None)``; ``advantages`` ``P(batch_axes)``; the loss and the
+    per-token metrics ``P(batch_axes, None)``; ``advantages`` ``P(batch_axes)``; the loss and the
     scalar metrics replicated. The gradient w.r.t. ``logits`` has the logits' layout.
 
     Args:
-      logits, ids, mask, advantages, config, old_logps, ref_logps, num_items_in_batch, impl,
-        check_ids, options: as :func:`grpo_kernels.grpo_loss`; ``options`` applies to each
-        device's block.
+      logits, ids, mask, advantages, config, old_logps, ref_logps, num_items_in_batch,
+        sampler_weights, impl, check_ids, options: as :func:`grpo_kernels.grpo_loss`;
+        ``options`` applies to each device's block.
       mesh: The device mesh.
       sharding: Which mesh axes split ``B`` and ``V``.
 
@@ -187,13 +190,15 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
       ValueError: bad arguments (as ``grpo_loss``), a mesh without the named axes, or ``B``/``V``
         not divisible by their axes (nothing is padded).
     """
-    validate_token_inputs(logits, ids, mask, advantages, config, old_logps, ref_logps)
+    validate_token_inputs(logits, ids, mask, advantages, config, old_logps, ref_logps,
+                          sampler_weights)
     b, _, vocab = logits.shape
     spec = resolve(sharding, mesh, b, vocab, "logits")
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
     if check_ids:
         check_ids_in_range(ids, mask, vocab)
-    batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch)
+    batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
+                          sampler_weights)
     return _run(LOGITS, (logits,), (spec.logits(),), batch, mesh=mesh, spec=spec,
                 config=config, impl=impl, options=options, vocab=vocab,
                 default_options=logits_pallas.PallasOptions())
@@ -204,6 +209,7 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
                                   config: GRPOLossConfig, old_logps: Array | None = None,
                                   ref_logps: Array | None = None,
                                   num_items_in_batch: Array | float | None = None,
+                                  sampler_weights: Array | None = None,
                                   impl: str = "auto", lm_head_layout: str = "hv",
                                   bias: Array | None = None, logits_dtype: Any = None,
                                   check_ids: bool = False,
@@ -220,7 +226,8 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
 
     Args:
       hidden, lm_head, ids, mask, advantages, config, old_logps, ref_logps,
-        num_items_in_batch, impl, lm_head_layout, bias, logits_dtype, check_ids, options:
+        num_items_in_batch, sampler_weights, impl, lm_head_layout, bias, logits_dtype,
+        check_ids, options:
         as :func:`grpo_kernels.grpo_loss_from_hidden`.
       mesh: The device mesh.
       sharding: Which mesh axes split ``B`` and ``V``.
@@ -230,13 +237,15 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
         by their axes (nothing is padded).
     """
     fmt = head_api.validate_call(hidden, lm_head, ids, mask, advantages, config, old_logps,
-                                 ref_logps, lm_head_layout, bias, logits_dtype)
+                                 ref_logps, lm_head_layout, bias, logits_dtype,
+                                 sampler_weights)
     vocab = fmt.vocab(lm_head)
     spec = resolve(sharding, mesh, hidden.shape[0], vocab, "hidden/lm_head")
     impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
     if check_ids:
         check_ids_in_range(ids, mask, vocab)
-    batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch)
+    batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
+                          sampler_weights)
     primal_specs = (spec.rows(3), spec.head(fmt.layout), None if bias is None else spec.vector())
     return _run(_head_kind(fmt), (hidden, lm_head, bias), primal_specs, batch, mesh=mesh,
                 spec=spec, config=config, impl=impl, options=options, vocab=vocab,

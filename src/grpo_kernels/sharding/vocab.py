@@ -40,7 +40,6 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.objective import grpo_objective, loss_metrics
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.vjp import zero_cotangent
 from grpo_kernels.sharding.spec import ShardingSpec
@@ -141,8 +140,6 @@ with_softmax_gradient.defvjp(_fwd, _bwd)
 def loss_and_metrics(logp: Array, entropy: Array, batch: TokenBatch, config: GRPOLossConfig,
                      spec: ShardingSpec) -> tuple[Array, dict[str, Array]]:
     """The GRPO objective and metrics on this device's rows, normalised over the whole batch."""
-    loss, aux = grpo_objective(logp, batch.mask, batch.advantages, config, batch.old_logps,
-                               batch.ref_logps, batch.num_items, batch_sum=spec.batch_sum)
-    metrics = loss_metrics(logp, entropy, aux, batch.mask, batch.advantages, config,
-                           spec.batch_sum)
+    loss, metrics, _ = batch.loss(logp, entropy, config, with_grad=False,
+                                  batch_sum=spec.batch_sum)
     return loss, metrics

@@ -14,7 +14,7 @@ from grpo_kernels.ops.lm_head_loss import pallas_tpu
 from grpo_kernels.ops.lm_head_loss import xla_sweep
 from grpo_kernels.ops.lm_head_loss.head import delta_dtype
 from grpo_kernels.ops.lm_head_loss.xla import plan_chunk
-from tests.helpers import as64, cached_reference, rel_err
+from tests.helpers import as64, cached_reference, option_grid, option_id, rel_err
 from tests.oracle import oracle
 
 B, T, H, V = 2, 13, 256, 1000
@@ -71,7 +71,8 @@ def assert_close(impl, inputs, cfg, layout="hv", tol=1e-5, **kw):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert rel_err(a, b) <= tol, (name, rel_err(a, b))
     np.testing.assert_allclose(as64(m_k["logp"]), as64(m_r["logp"]), atol=tol * 10)
-    for key in ("entropy", "kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region"):
+    for key in ("entropy", "kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region",
+                "policy_loss", "kl_loss"):
         np.testing.assert_allclose(float(m_k[key]), float(m_r[key]), rtol=tol, atol=tol,
                                    err_msg=key)
 
@@ -101,6 +102,24 @@ def test_xla_matches_reference_f32(cfg):
 @pytest.mark.parametrize("cfg", CONFIGS[:4], ids=lambda c: f"{c.loss_type}-{c.importance_sampling_level}")
 def test_pallas_interpret_matches_reference_f32(cfg):
     assert_close("pallas", make_inputs(2), cfg)
+
+
+OPTIONS = option_grid(T)
+# xla runs every option; the interpreted Pallas kernel every third and the tunix-like mix.
+OPTION_RUNS = [("xla", i) for i in range(len(OPTIONS))] + [
+    ("pallas", i) for i in (*range(0, len(OPTIONS) - 1, 3), len(OPTIONS) - 1)]
+
+
+@pytest.mark.parametrize("impl,index", OPTION_RUNS,
+                         ids=[f"{impl}-{option_id(OPTIONS[i])}" for impl, i in OPTION_RUNS])
+def test_options_match_reference(impl, index):
+    """tunix's options and sampler weights through the fused head."""
+    cfg, sampler = OPTIONS[index]
+    hidden, w, ids, mask, adv, extra, _ = make_inputs(12)
+    if sampler:
+        extra = {**extra, "sampler_weights": jax.random.uniform(
+            jax.random.PRNGKey(13), mask.shape, jnp.float32, 0.2, 2.0)}
+    assert_close(impl, (hidden, w, ids, mask, adv, extra, None), cfg)
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])

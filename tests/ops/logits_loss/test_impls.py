@@ -13,14 +13,15 @@ from grpo_kernels.ops.logits_loss import IMPLEMENTATIONS
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
 from grpo_kernels.ops.core.reference import token_logp_and_entropy
 from tests.oracle import oracle
-from tests.helpers import (as64, grid_id, loss_grid, reference_value_and_grad, rel_err,
-                           value_and_grad)
+from tests.helpers import (as64, grid_id, loss_grid, option_grid, option_id,
+                           reference_value_and_grad, rel_err, value_and_grad)
 
 FAST = [i for i in IMPLEMENTATIONS if i != "reference"]
 B, T, V = 3, 13, 301
 TOL = {jnp.float32: dict(loss=2e-6, grad=2e-5, metric=2e-5),
        jnp.bfloat16: dict(loss=2e-5, grad=1e-2, metric=2e-5)}
-METRICS = ("entropy", "kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region")
+METRICS = ("entropy", "kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region",
+           "policy_loss", "kl_loss")
 
 
 def assert_matches_reference(impl, inp, cfg, metrics=METRICS, **kw):
@@ -31,7 +32,9 @@ def assert_matches_reference(impl, inp, cfg, metrics=METRICS, **kw):
     assert np.isfinite(float(loss_k)) and bool(jnp.all(jnp.isfinite(g_k.astype(jnp.float32))))
     np.testing.assert_allclose(float(loss_k), float(loss_r), rtol=tol["loss"], atol=tol["loss"])
     assert rel_err(g_k, g_r) <= tol["grad"]
-    np.testing.assert_allclose(as64(m_k["logp"]), as64(m_r["logp"]), atol=tol["metric"] * 10)
+    for key in ("logp", "token_entropy"):
+        np.testing.assert_allclose(as64(m_k[key]), as64(m_r[key]), atol=tol["metric"] * 10,
+                                   err_msg=key)
     for key in metrics:
         np.testing.assert_allclose(float(m_k[key]), float(m_r[key]), rtol=tol["metric"],
                                    atol=tol["metric"], err_msg=key)
@@ -45,6 +48,17 @@ def assert_matches_reference(impl, inp, cfg, metrics=METRICS, **kw):
 def test_grid_matches_reference(impl, dtype, cfg):
     inp = random_inputs(11, B, T, V, dtype, cfg, noise=0.3)
     assert_matches_reference(impl, inp, cfg)
+
+
+OPTIONS = option_grid(T)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("cfg,sampler", OPTIONS, ids=[option_id(o) for o in OPTIONS])
+def test_options_match_reference(cfg, sampler, dtype):
+    """tunix's options and sampler weights (test_pallas.py runs them through the kernels)."""
+    inp = random_inputs(17, B, T, V, dtype, cfg, noise=0.3, sampler_weights=sampler)
+    assert_matches_reference("xla", inp, cfg)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])

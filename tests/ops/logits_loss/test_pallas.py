@@ -16,7 +16,8 @@ from jax.experimental import pallas as pl
 from grpo_kernels import GRPOLossConfig, PallasBlockSizes, PallasOptions, grpo_loss
 from grpo_kernels.ops.logits_loss import pallas_tpu
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
-from tests.helpers import grid_id, loss_grid_split, reference_value_and_grad, rel_err
+from tests.helpers import (grid_id, loss_grid_split, option_grid, option_id,
+                           reference_value_and_grad, rel_err)
 from tests.ops.logits_loss.test_impls import assert_matches_reference
 
 KERNELS = ("tpu", "gpu")
@@ -40,6 +41,19 @@ def small_blocks(kernel: str, dtype) -> PallasOptions:
                   for c, d in loss_grid_split(7)])
 def test_grid_matches_reference(kernel, cfg, dtype):
     inp = random_inputs(21, 3, 7, 1000, dtype, cfg)  # 21 rows: 16 in full blocks + leftovers
+    assert_matches_reference("pallas", inp, cfg, options=small_blocks(kernel, dtype))
+
+
+OPTIONS = option_grid(7)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("index", range(len(OPTIONS)), ids=[option_id(o) for o in OPTIONS])
+def test_options_match_reference(kernel, index):
+    """tunix's options and sampler weights through each kernel, dtypes alternating."""
+    cfg, sampler = OPTIONS[index]
+    dtype = (jnp.float32, jnp.bfloat16)[index // 2 % 2]  # both dtypes meet both samplers
+    inp = random_inputs(22, 3, 7, 1000, dtype, cfg, noise=0.3, sampler_weights=sampler)
     assert_matches_reference("pallas", inp, cfg, options=small_blocks(kernel, dtype))
 
 

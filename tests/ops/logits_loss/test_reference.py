@@ -6,7 +6,7 @@ import pytest
 
 from grpo_kernels import GRPOLossConfig
 from grpo_kernels.ops.logits_loss.inputs import random_inputs, to_numpy
-from tests.helpers import as64, grid_id, loss_grid, value_and_grad
+from tests.helpers import as64, grid_id, loss_grid, option_grid, option_id, value_and_grad
 from tests.oracle import oracle
 
 B, T, V = 3, 9, 97
@@ -16,7 +16,11 @@ GRID = list(loss_grid(T))
 def _oracle(inp, cfg, logits=None, **kw):
     logits = as64(inp.logits) if logits is None else logits  # float64 perturbations stay exact
     return oracle(logits, np.asarray(inp.ids), as64(inp.mask), as64(inp.advantages),
-                  cfg, to_numpy(inp.old_logps), to_numpy(inp.ref_logps), **kw)
+                  cfg, to_numpy(inp.old_logps), to_numpy(inp.ref_logps),
+                  sampler=to_numpy(inp.sampler_weights), **kw)
+
+
+OPTIONS = option_grid(T)
 
 
 @pytest.mark.parametrize("cfg", GRID, ids=grid_id)
@@ -30,6 +34,32 @@ def test_reference_matches_float64_oracle(cfg):
     for key in ("entropy", "kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region"):
         np.testing.assert_allclose(float(metrics[key]), want_m[key], rtol=1e-5, atol=1e-6,
                                    err_msg=key)
+
+
+@pytest.mark.parametrize("cfg,sampler", OPTIONS, ids=[option_id(o) for o in OPTIONS])
+def test_options_match_float64_oracle(cfg, sampler):
+    """tunix's options (aggregations, KL estimators and clamp, dual clip, log-ratio clamps,
+    sampler weights): value, metrics and the two parts of the loss."""
+    inp = random_inputs(6, B, T, V, jnp.float32, cfg, noise=0.3, sampler_weights=sampler)
+    loss, metrics, _ = value_and_grad("reference", inp, cfg)
+    want, want_m = _oracle(inp, cfg)
+    np.testing.assert_allclose(float(loss), want, rtol=2e-5, atol=1e-6)
+    for key in ("kl", "clip_ratio_region", "policy_loss", "kl_loss"):
+        np.testing.assert_allclose(float(metrics[key]), want_m[key], rtol=1e-5, atol=1e-6,
+                                   err_msg=key)
+    np.testing.assert_allclose(float(metrics["policy_loss"]) + cfg.beta * float(
+        metrics["kl_loss"]), float(loss), rtol=1e-6)
+
+
+VALUED = [o for o in OPTIONS if o[0].importance_sampling_level != "sequence_token"]
+
+
+@pytest.mark.parametrize("cfg,sampler", VALUED, ids=[option_id(o) for o in VALUED])
+def test_options_gradient_matches_oracle_finite_differences(cfg, sampler):
+    """The gradients of those options (GSPO-token has none of its value: it is tested against
+    its formula in tests/test_objective.py)."""
+    inp = random_inputs(7, 2, 5, 31, jnp.float32, cfg, noise=0.3, sampler_weights=sampler)
+    assert_gradient_matches_finite_differences(inp, cfg, seed=1, directions=2)
 
 
 def test_clip_metrics_are_exercised():
@@ -46,11 +76,16 @@ def test_clip_metrics_are_exercised():
 def test_reference_gradient_matches_oracle_finite_differences(cfg):
     """Directional derivatives of the float64 oracle (central differences) vs the f32 gradient."""
     inp = random_inputs(3, 2, 5, 31, jnp.float32, cfg, noise=0.3)
+    assert_gradient_matches_finite_differences(inp, cfg, seed=0, directions=3)
+
+
+def assert_gradient_matches_finite_differences(inp, cfg, seed, directions, h=1e-5):
+    """Directional derivatives of the float64 oracle (central differences) vs the reference's
+    float32 gradient, along random directions."""
     _, _, grad = value_and_grad("reference", inp, cfg)
     z = as64(inp.logits)
-    rng = np.random.default_rng(0)
-    h = 1e-5
-    for _ in range(3):
+    rng = np.random.default_rng(seed)
+    for _ in range(directions):
         v = rng.normal(size=z.shape)
         plus = _oracle(inp, cfg, logits=z + h * v)[0]
         minus = _oracle(inp, cfg, logits=z - h * v)[0]

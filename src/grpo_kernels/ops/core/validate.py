@@ -56,6 +56,7 @@ def validate_token_inputs(
     config: Any,
     old_logps: Any,
     ref_logps: Any,
+    sampler_weights: Any = None,
 ) -> None:
     """Checks ranks, shapes and dtypes at trace time; raises ValueError naming the argument.
 
@@ -76,11 +77,12 @@ def validate_token_inputs(
         raise ValueError(f"ids must be an integer dtype, got {ids.dtype}")
     check_shape("mask", mask, (b, t), "[B, T]")
     check_shape("advantages", advantages, (b,), "[B]")
-    for name, x in (("old_logps", old_logps), ("ref_logps", ref_logps)):
+    per_token = (("old_logps", old_logps), ("ref_logps", ref_logps),
+                 ("sampler_weights", sampler_weights))
+    for name, x in per_token:
         if x is not None:
             check_shape(name, x, (b, t), "[B, T]")
-    for name, x in (("mask", mask), ("advantages", advantages), ("old_logps", old_logps),
-                    ("ref_logps", ref_logps)):
+    for name, x in (("mask", mask), ("advantages", advantages), *per_token):
         if x is not None and not (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == jnp.bool_):
             raise ValueError(f"{name} must be numeric, got dtype {x.dtype}")
     if config.beta > 0 and ref_logps is None:

@@ -124,10 +124,12 @@ def _token_grad_fn(batch: TokenBatch, config: GRPOLossConfig) -> GradFn:
     weights = _flat(token_weights(batch.mask, config, batch.num_items))
     adv = _flat(jnp.broadcast_to(batch.advantages.astype(_F32)[:, None], (b, t)))
     old, ref = _flat(batch.old_logps), _flat(batch.ref_logps)
+    sampler = _flat(batch.sampler_weights)
 
     def grad_fn(start, size, logp):
         return token_loss_grad(logp, _rows(weights, start, size), _rows(adv, start, size),
-                               config, _rows(old, start, size), _rows(ref, start, size))
+                               config, _rows(old, start, size), _rows(ref, start, size),
+                               _rows(sampler, start, size))
 
     return grad_fn
 

@@ -55,6 +55,7 @@ def grpo_loss(
     old_logps: Array | None = None,
     ref_logps: Array | None = None,
     num_items_in_batch: Array | float | None = None,
+    sampler_weights: Array | None = None,
     impl: str = "auto",
     check_ids: bool = False,
     options: XlaBlockSizes | PallasOptions | None = None,
@@ -76,7 +77,9 @@ def grpo_loss(
 
     with :math:`w` the ``loss_type`` weights of :func:`grpo_kernels.objective.token_weights`
     (``grpo``: per-sequence token mean then batch mean; ``bnpo``: batch token mean; ``dr_grpo``:
-    sum over ``B * max_completion_length``; ``dapo``: sum over ``num_items_in_batch``).
+    sum over ``B * max_completion_length``; ``dapo``: sum over ``num_items_in_batch``), or
+    tunix's ``loss_agg_mode`` ones. The config's further options (KL estimators and clamp, dual
+    clip, log-ratio clamps, GSPO-token) are written out in :mod:`grpo_kernels.objective`.
 
     Args:
       logits: ``[B, T, V]`` bfloat16 or float32; position ``t`` predicts ``ids[:, t]``.
@@ -88,6 +91,9 @@ def grpo_loss(
       old_logps: ``[B, T]`` sampling-policy log-probs; ``None``: on-policy.
       ref_logps: ``[B, T]`` reference log-probs; required when ``config.beta > 0``.
       num_items_in_batch: ``dapo`` normaliser (default: the number of unmasked tokens).
+      sampler_weights: Optional ``[B, T]`` per-token weights of the policy term (not of the
+        KL term), e.g. truncated importance weights between the sampler and the trainer
+        (tunix's ``sampler_is_weights``); no gradient flows into them.
       impl: ``"auto"``, ``"reference"``, ``"xla"`` or ``"pallas"`` (TPU/GPU kernels; interpret
         mode on CPU, for tests only).
       check_ids: Raise ValueError when an unmasked id is outside ``[0, V)`` (at call time for
@@ -97,15 +103,19 @@ def grpo_loss(
 
     Returns:
       ``(loss, metrics)``: the float32 scalar loss, differentiable w.r.t. ``logits`` (gradient in
-      the logits dtype), and metrics without gradient: ``logp`` ``[B, T]``, ``clip_ratio_low``,
-      ``clip_ratio_high``, ``clip_ratio_region``, ``kl`` (0 without ``ref_logps``), ``entropy``.
+      the logits dtype), and metrics without gradient: ``logp`` and ``token_entropy``
+      ``[B, T]``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_region``, ``kl`` (0
+      without ``ref_logps``), ``entropy``, ``policy_loss`` and ``kl_loss`` (the loss is
+      ``policy_loss + beta * kl_loss``).
 
     Raises:
       ValueError: at trace time, naming the argument and the expected shape or value.
     """
-    validate_token_inputs(logits, ids, mask, advantages, config, old_logps, ref_logps)
+    validate_token_inputs(logits, ids, mask, advantages, config, old_logps, ref_logps,
+                          sampler_weights)
     impl = resolve_impl(impl, options, OPTION_TYPES, default_impl)
     if check_ids:
         check_ids_in_range(ids, mask, logits.shape[-1])
-    batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch)
+    batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
+                          sampler_weights)
     return IMPLEMENTATIONS[impl](logits, batch, config, options)

@@ -22,9 +22,14 @@ class LossInputs:
     advantages: jax.Array
     old_logps: jax.Array | None
     ref_logps: jax.Array | None
+    sampler_weights: jax.Array | None = None
 
     def kwargs(self) -> dict[str, Any]:
-        return {"old_logps": self.old_logps, "ref_logps": self.ref_logps}
+        """The optional per-token arguments (``sampler_weights`` only when present)."""
+        out = {"old_logps": self.old_logps, "ref_logps": self.ref_logps}
+        if self.sampler_weights is not None:
+            out["sampler_weights"] = self.sampler_weights
+        return out
 
 
 def random_inputs(
@@ -38,13 +43,15 @@ def random_inputs(
     noise: float = 0.1,
     logit_scale: float = 2.0,
     on_policy: bool = False,
+    sampler_weights: bool = False,
 ) -> LossInputs:
     """Random GRPO inputs shaped like one training step.
 
     Logits ~ ``N(0, logit_scale^2)``; ids uniform in ``[0, V)``; each row's mask is a prefix of
     random length in ``[1, T]`` (right padding, as completions have); advantages ~ ``N(0, 1)``;
     ``old_logps`` and ``ref_logps`` are the reference log-probs plus ``N(0, noise^2)`` (a real
-    off-policy step), ``old_logps`` omitted when ``on_policy``.
+    off-policy step), ``old_logps`` omitted when ``on_policy``. With ``sampler_weights``,
+    per-token weights uniform in ``[0.2, 2)`` (truncated importance weights of a sampler).
     """
     keys = jax.random.split(jax.random.PRNGKey(seed), 6)
     logits = (jax.random.normal(keys[0], (batch, time, vocab), jnp.float32) * logit_scale)
@@ -56,7 +63,9 @@ def random_inputs(
     logp, _ = token_logp_and_entropy(logits, ids, config.temperature)
     old = None if on_policy else logp + noise * jax.random.normal(keys[4], logp.shape)
     ref = logp + noise * jax.random.normal(keys[5], logp.shape)
-    return LossInputs(logits, ids, mask, advantages, old, ref)
+    weights = (jax.random.uniform(jax.random.fold_in(keys[0], 7), logp.shape, jnp.float32, 0.2, 2.0)
+               if sampler_weights else None)
+    return LossInputs(logits, ids, mask, advantages, old, ref, weights)
 
 
 def to_numpy(x: jax.Array | None) -> np.ndarray | None:

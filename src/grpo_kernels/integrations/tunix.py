@@ -1,0 +1,334 @@
+r"""Our losses as tunix policy losses: ``GRPOConfig(policy_loss_fn="grpo_kernels_fused")``.
+
+Importing this module registers two policy losses in tunix's registry
+(``tunix.rl.function_registry.register_policy_loss_fn``), both with tunix's call
+``(model, train_example, algo_config, pad_id, eos_id)``:
+
+- ``"grpo_kernels"``: the model's logits through :func:`grpo_kernels.grpo_loss`
+  (``impl="auto"``);
+- ``"grpo_kernels_fused"``: the model's final hidden states and head weights through
+  :func:`grpo_kernels.grpo_loss_from_hidden`, so the actor update holds no ``[B, T, V]`` array.
+  Hidden states come from tunix's own Qwen2, Qwen3 and Llama3 modules (embedder, decoder layers,
+  final norm: :func:`hidden_states`).
+
+Both compute tunix's ``grpo_loss_fn`` (tunix/rl/algo_core.py) on the same inputs: the mapping
+of its ``GRPOConfig`` is :func:`loss_config`, the aux dict it logs is :func:`tunix_aux`, and
+docs/integrations/tunix.md lists every difference. tunix is imported lazily by the functions
+that need it (``pip install grpo-kernels[tunix]``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.objective import log_importance_ratio, token_terms, token_weights
+from grpo_kernels.ops.lm_head_loss.api import grpo_loss_from_hidden
+from grpo_kernels.ops.logits_loss.api import grpo_loss
+
+Array = jax.Array
+
+POLICY_LOSSES: tuple[str, ...] = ("grpo_kernels", "grpo_kernels_fused")
+# tunix's kl_loss_mode -> our kl_estimator (tunix/rl/common.py: compute_kl_divergence).
+KL_MODES: dict[str, str] = {"kl": "k1", "mse_kl": "k2", "low_var_kl": "k3"}
+LOSS_ALGOS: tuple[str, ...] = ("grpo", "gspo-token")
+# The constants of tunix's grpo_loss_fn: the per-token log-ratio clamp and gspo-token's cap.
+TUNIX_LOG_RATIO_CLAMP = 20.0
+TUNIX_GSPO_TOKEN_MAX = 10.0
+
+
+def _field(algo_config: Any, name: str, default: Any = None) -> Any:
+    return getattr(algo_config, name, default)
+
+
+def loss_config(algo_config: Any, has_ref: bool) -> GRPOLossConfig:
+    """Our :class:`GRPOLossConfig` for a tunix ``GRPOConfig`` (any object with its fields).
+
+    Read: ``epsilon``, ``epsilon_high`` (absent or ``None``: ``epsilon``), ``epsilon_c`` (the
+    dual clip), ``beta`` (applied only with reference log-probs, as tunix), ``kl_loss_mode``,
+    ``kl_clamp_value``, ``loss_agg_mode``, ``loss_algo`` and ``temperature`` (0 and 1 leave the
+    logits alone, as tunix). The log-ratio clamp (20) and gspo-token's cap (10) are tunix's.
+
+    Raises:
+      ValueError: naming the ``GRPOConfig`` field whose value we do not support.
+    """
+    epsilon = _field(algo_config, "epsilon", 0.2)
+    epsilon_high = _field(algo_config, "epsilon_high")
+    epsilon_c = _field(algo_config, "epsilon_c")
+    beta = _field(algo_config, "beta", 0.0) or 0.0
+    kl_mode = _field(algo_config, "kl_loss_mode", "kl")
+    loss_algo = _field(algo_config, "loss_algo", "grpo")
+    temperature = _field(algo_config, "temperature", 1.0)
+    if kl_mode not in KL_MODES:
+        raise ValueError(f"GRPOConfig.kl_loss_mode must be one of {tuple(KL_MODES)}, "
+                         f"got {kl_mode!r}")
+    if loss_algo not in LOSS_ALGOS:
+        raise ValueError(f"GRPOConfig.loss_algo must be one of {LOSS_ALGOS}, got {loss_algo!r}")
+    if epsilon_c is not None and not epsilon_c > 1:
+        raise ValueError(f"GRPOConfig.epsilon_c (the dual clip) must be None or > 1 for "
+                         f"grpo_kernels, got {epsilon_c!r}")
+    if beta < 0:
+        raise ValueError(f"GRPOConfig.beta must be >= 0 for grpo_kernels, got {beta!r}")
+    fields = dict(
+        epsilon_low=epsilon,
+        epsilon_high=epsilon if epsilon_high is None else epsilon_high,
+        beta=float(beta) if has_ref else 0.0,
+        temperature=1.0 if temperature in (0, 0.0, None) else temperature,
+        importance_sampling_level="token" if loss_algo == "grpo" else "sequence_token",
+        loss_agg_mode=_field(algo_config, "loss_agg_mode", "sequence-mean-token-mean"),
+        kl_estimator=KL_MODES[kl_mode],
+        kl_clamp=_field(algo_config, "kl_clamp_value"),
+        dual_clip=epsilon_c,
+        log_ratio_clamp=TUNIX_LOG_RATIO_CLAMP,
+        sequence_log_ratio_max=None if loss_algo == "grpo" else TUNIX_GSPO_TOKEN_MAX,
+    )
+    try:
+        return GRPOLossConfig(**fields)
+    except ValueError as e:  # name the tunix field behind ours
+        names = {"epsilon_low": "epsilon", "kl_clamp": "kl_clamp_value",
+                 "loss_agg_mode": "loss_agg_mode", "epsilon_high": "epsilon_high",
+                 "temperature": "temperature"}
+        for ours, theirs in names.items():
+            if str(e).startswith(ours):
+                raise ValueError(f"GRPOConfig.{theirs}: {e}") from None
+        raise
+
+
+class Example(NamedTuple):
+    """The per-token inputs of a tunix ``TrainExample`` as our loss takes them."""
+
+    ids: Array
+    mask: Array
+    advantages: Array
+    old_logps: Array | None
+    ref_logps: Array | None
+    sampler_weights: Array | None
+
+
+def example_inputs(train_example: Any) -> Example:
+    """Checks a ``TrainExample`` and returns its per-token inputs.
+
+    Raises:
+      ValueError: for packed sequences (``segment_ids``) and per-token advantages, which the
+        loss does not take, naming the field.
+    """
+    if _field(train_example, "segment_ids") is not None:
+        raise ValueError("train_example.segment_ids is set (packed sequences): grpo_kernels "
+                         "supports unpacked examples only")
+    advantages = train_example.advantages
+    if advantages.ndim != 1:
+        raise ValueError(f"train_example.advantages must be [B] (one per completion) for "
+                         f"grpo_kernels, got shape {tuple(advantages.shape)}")
+    return Example(train_example.completion_ids, train_example.completion_mask,
+                   advantages.astype(jnp.float32), train_example.old_per_token_logps,
+                   train_example.ref_per_token_logps,
+                   _field(train_example, "sampler_is_weights"))
+
+
+def _accepts_segment_ids(model: Any) -> bool:
+    """tunix's rule (common.compute_per_token_logps): segment ids go to models whose
+    ``__call__`` takes them."""
+    try:
+        params = inspect.signature(type(model).__call__).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return "segment_ids" in params or any(
+        p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def model_inputs(model: Any, train_example: Any, pad_id: int, eos_id: int) -> dict[str, Any]:
+    """The model's arguments for prompt + completion, made by tunix's own ``process_ids``."""
+    from tunix.rl import common
+
+    tokens, positions, attn_mask, seg_ids = common.process_ids(
+        train_example.prompt_ids, train_example.completion_ids, pad_id, eos_id)
+    out = {"input_tokens": tokens, "positions": positions, "attention_mask": attn_mask}
+    if _accepts_segment_ids(model) and seg_ids is not None:
+        out["segment_ids"] = seg_ids
+    return out
+
+
+# --- hidden states of tunix's model classes, without their logits -------------------------------
+
+class Head(NamedTuple):
+    """A model's LM head as the fused loss takes it."""
+
+    weights: Array
+    layout: str
+    dtype: Any
+
+
+def _supported() -> dict[type, str]:
+    from tunix.models.llama3.model import Llama3
+    from tunix.models.qwen2.model import Qwen2
+    from tunix.models.qwen3.model import Qwen3
+
+    return {Qwen2: "qwen2", Qwen3: "qwen3", Llama3: "llama3"}
+
+
+def model_family(model: Any) -> str:
+    """``"qwen2"``, ``"qwen3"`` or ``"llama3"``; ValueError naming any other class."""
+    for cls, family in _supported().items():
+        if isinstance(model, cls):
+            return family
+    names = ", ".join(cls.__name__ for cls in _supported())
+    raise ValueError(f"grpo_kernels_fused needs the hidden states of a tunix {names} model; "
+                     f"got {type(model).__name__} (use policy_loss_fn='grpo_kernels' for it)")
+
+
+def hidden_states(model: Any, inputs: dict[str, Any]) -> Array:
+    """``[B, L, D]`` after the final norm: the model's ``__call__`` up to its head, with the
+    same modules and arguments (tunix 0.1.7's Qwen2, Qwen3 and Llama3)."""
+    family = model_family(model)
+    tokens, positions = inputs["input_tokens"], inputs["positions"]
+    attn, seg = inputs["attention_mask"], inputs.get("segment_ids")
+    x = model.embedder.encode(tokens)
+    if family == "qwen2":
+        from tunix.models.qwen2 import model as qwen2
+
+        sin, cos = qwen2._generate_pos_embeddings(positions, model.config.head_dim,
+                                                  model.config.rope_theta)
+        sin, cos = sin.astype(x.dtype), cos.astype(x.dtype)
+        for layer in model.layers:
+            _, x = layer(x, None, attn, sin, cos, segment_ids=seg)
+    elif family == "qwen3":
+        for layer in model.layers:
+            _, x = layer(x, positions, None, attn, segment_ids=seg)
+    else:
+        for layer in model.layers:
+            _, x = layer(x, positions, None, attn)
+    return model.final_norm(x)
+
+
+def lm_head(model: Any, hidden: Array) -> Head:
+    """The head weights in the dtype the model multiplies them in, and the logits' dtype.
+
+    Qwen2/Qwen3 cast both operands to ``config.dtype``; Llama3 multiplies as stored.
+    """
+    family = model_family(model)
+    tied = model.config.weight_tying if family == "llama3" else model.config.use_tied_embedding
+    w = model.embedder.input_embedding.value if tied else model.lm_head.w.value
+    layout = "vh" if tied else "hv"
+    dtype = jnp.result_type(hidden.dtype, w.dtype) if family == "llama3" else model.config.dtype
+    return Head(w.astype(dtype), layout, jnp.dtype(dtype))
+
+
+# --- the two policy losses ------------------------------------------------------------------------
+
+def _tunix_mean(x: Array, mask: Array) -> Array:
+    """tunix's ``masked_mean``: ``sum(x m) / (sum(m) + 1e-8)``."""
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(x.astype(jnp.float32) * mask) / (jnp.sum(mask) + 1e-8)
+
+
+def tunix_aux(metrics: dict[str, Array], ex: Example, config: GRPOLossConfig,
+              epsilon_c: float | None) -> dict[str, Array]:
+    """The aux dict of tunix's ``grpo_loss_fn`` (same keys, same definitions) from our metrics,
+    plus ours under ``grpo_kernels/...``. No gradient flows through any of it."""
+    sg = jax.lax.stop_gradient
+    logp = sg(metrics["logp"])
+    mask = ex.mask.astype(jnp.float32)
+    old = logp if ex.old_logps is None else ex.old_logps.astype(jnp.float32)
+    adv = ex.advantages[:, None]
+    ratio_log = log_importance_ratio(logp, old, mask, config)
+    terms = token_terms(logp, ratio_log, adv, config)
+    ratio, pg1, pg2 = terms["coef_1"], -adv * terms["coef_1"], -adv * terms["coef_2"]
+    unclipped_loss = jnp.maximum(pg1, pg2)
+    weights = token_weights(mask, config)  # tunix's aggregate_loss with loss_agg_mode
+    lower = jnp.zeros_like(ratio) if epsilon_c is None else (
+        (unclipped_loss > -epsilon_c * adv) & (adv < 0)).astype(jnp.float32)
+    adv_b = jnp.broadcast_to(adv, mask.shape)
+    on = mask > 0
+    aux = {
+        "kl": metrics["kl"],
+        "kl_loss": metrics["kl_loss"],
+        "pg_loss": metrics["policy_loss"],
+        "pg_clipfrac": _tunix_mean((pg2 > pg1).astype(jnp.float32), mask),
+        "ppo_kl": _tunix_mean(old - logp, mask),
+        "pg_clipfrac_lower": jnp.sum(weights * lower),
+        "is_ratio/mean": _tunix_mean(ratio, mask),
+        "is_ratio/max": jnp.max(jnp.where(on, ratio, 0.0)),
+        "is_ratio/min": jnp.min(jnp.where(on, ratio, jnp.inf)),
+        "log_ratio/abs_mean": _tunix_mean(jnp.abs(ratio_log), mask),
+        "pg_loss/unclipped_mean": _tunix_mean(pg1, mask),
+        "pg_loss/clipped_mean": _tunix_mean(pg2, mask),
+        "advantage/abs_mean": _tunix_mean(jnp.abs(adv_b), mask),
+        "advantage/max": jnp.max(jnp.where(on, adv_b, -jnp.inf)),
+        "advantage/min": jnp.min(jnp.where(on, adv_b, jnp.inf)),
+        "advantage/nonzero_frac": _tunix_mean((jnp.abs(adv_b) > 1e-8).astype(jnp.float32), mask),
+        "entropy": jnp.sum(weights * sg(metrics["token_entropy"])),
+    }
+    if ex.sampler_weights is None:
+        aux["sampler_is/weight_mean"] = jnp.float32(1.0)
+        aux["sampler_is/weight_min"] = jnp.float32(1.0)
+    else:
+        sis = ex.sampler_weights.astype(jnp.float32)
+        aux["sampler_is/weight_mean"] = _tunix_mean(sis, mask)
+        aux["sampler_is/weight_min"] = jnp.min(jnp.where(on, sis, jnp.inf))
+    for key in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "entropy"):
+        aux[f"grpo_kernels/{key}"] = metrics[key]
+    return aux
+
+
+def _loss_kwargs(ex: Example) -> dict[str, Any]:
+    return dict(old_logps=ex.old_logps, ref_logps=ex.ref_logps,
+                sampler_weights=ex.sampler_weights)
+
+
+def logits_policy_loss(model: Any, train_example: Any, algo_config: Any, pad_id: int,
+                       eos_id: int, impl: str = "auto", options: Any = None,
+                       **kwargs: Any) -> tuple[Array, dict[str, Array]]:
+    """tunix's GRPO loss through :func:`grpo_kernels.grpo_loss` on the model's logits, with
+    ``impl`` and ``options`` as there (other keyword arguments of tunix's call are ignored)."""
+    ex = example_inputs(train_example)
+    config = loss_config(algo_config, ex.ref_logps is not None)
+    logits, _ = model(**model_inputs(model, train_example, pad_id, eos_id), cache=None)
+    t = ex.ids.shape[1]
+    logits = logits[:, -t - 1:-1, :]
+    loss, metrics = grpo_loss(logits, ex.ids, ex.mask, ex.advantages, config=config,
+                              impl=impl, options=options, **_loss_kwargs(ex))
+    return loss, tunix_aux(metrics, ex, config, _field(algo_config, "epsilon_c"))
+
+
+def fused_policy_loss(model: Any, train_example: Any, algo_config: Any, pad_id: int,
+                      eos_id: int, impl: str = "auto", options: Any = None,
+                      **kwargs: Any) -> tuple[Array, dict[str, Array]]:
+    """tunix's GRPO loss through :func:`grpo_kernels.grpo_loss_from_hidden`: no ``[B, T, V]``
+    array. ``impl`` and ``options`` as there (other keyword arguments are ignored)."""
+    model_family(model)  # an unsupported class fails before any work
+    ex = example_inputs(train_example)
+    config = loss_config(algo_config, ex.ref_logps is not None)
+    inputs = model_inputs(model, train_example, pad_id, eos_id)
+    t = ex.ids.shape[1]
+    hidden = hidden_states(model, inputs)[:, -t - 1:-1, :]
+    head = lm_head(model, hidden)
+    loss, metrics = grpo_loss_from_hidden(
+        hidden.astype(head.dtype), head.weights, ex.ids, ex.mask, ex.advantages, config=config,
+        impl=impl, options=options, lm_head_layout=head.layout, logits_dtype=head.dtype, **_loss_kwargs(ex))
+    return loss, tunix_aux(metrics, ex, config, _field(algo_config, "epsilon_c"))
+
+
+def register(impl: str = "auto", options: Any = None,
+             fused_options: Any = None) -> None:
+    """Registers :data:`POLICY_LOSSES` in tunix's function registry.
+
+    Done on import with the defaults; call it again to choose the implementation (``impl``)
+    or its options: ``options`` for ``"grpo_kernels"`` (``XlaBlockSizes`` / ``PallasOptions``),
+    ``fused_options`` for ``"grpo_kernels_fused"`` (``LmHeadBlockSizes`` /
+    ``LmHeadPallasOptions``, e.g. a smaller ``chunk_bytes``). tunix logs that it overwrites
+    the earlier registration.
+    """
+    from tunix.rl import function_registry
+
+    function_registry.register_policy_loss_fn("grpo_kernels")(
+        functools.partial(logits_policy_loss, impl=impl, options=options))
+    function_registry.register_policy_loss_fn("grpo_kernels_fused")(
+        functools.partial(fused_policy_loss, impl=impl, options=fused_options))
+
+
+register()

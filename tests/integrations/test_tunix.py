@@ -1,0 +1,209 @@
+"""grpo_kernels.integrations.tunix against tunix's own "grpo" loss on tiny random tunix models.
+
+The parity grid is the issue's: every loss_agg_mode x kl_loss_mode x loss_algo x (epsilon_c on /
+off) x (sampler weights on / off), loss and gradients w.r.t. every model parameter, float32
+relative error <= 1e-5, for both registered losses.
+"""
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+tunix_available = pytest.importorskip(
+    "tunix", reason="google-tunix is not installed (make test installs grpo-kernels[tunix])")
+
+from tunix.rl import algo_core, function_registry  # noqa: E402
+from tunix.rl.grpo.grpo_learner import GRPOConfig  # noqa: E402
+
+from grpo_kernels import LmHeadBlockSizes  # noqa: E402
+from grpo_kernels.config import LOSS_AGG_MODES  # noqa: E402
+from grpo_kernels.integrations import tunix as ours  # noqa: E402
+from tests.integrations.tunix_models import (  # noqa: E402
+    EOS, PAD, loss_and_grads, max_rel_err, tiny_model, train_example)
+
+TOL = 1e-5
+KL_MODES = ("kl", "mse_kl", "low_var_kl")
+GRID = list(itertools.product(LOSS_AGG_MODES, KL_MODES, ("grpo", "gspo-token"), (None, 3.0),
+                              (False, True)))
+
+
+def grid_id(case):
+    agg, kl, algo, eps_c, sampler = case
+    return f"{agg}-{kl}-{algo}-c{eps_c}-{'sampler' if sampler else 'nosampler'}"
+
+
+def algo_config(agg, kl, algo, eps_c, **kw):
+    cfg = GRPOConfig(loss_agg_mode=agg, kl_loss_mode=kl, loss_algo=algo, beta=0.04,
+                     epsilon=0.2, num_generations=2, **kw)
+    cfg.epsilon_high = 0.28  # as DAPO's config carries it; GRPOConfig reads it by getattr
+    cfg.epsilon_c = eps_c
+    cfg.temperature = 0.7  # the learner copies the rollout temperature here
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    model = tiny_model("qwen3", seed=0)
+    return model, {s: train_example(model, seed=1, sampler=s) for s in (False, True)}
+
+
+def test_both_losses_are_registered():
+    for name, fn in (("grpo_kernels", ours.logits_policy_loss),
+                     ("grpo_kernels_fused", ours.fused_policy_loss)):
+        registered = function_registry.get_policy_loss_fn(name)
+        assert registered.func is fn and registered.keywords == {"impl": "auto", "options": None}
+    chunks = LmHeadBlockSizes(chunk_tokens=16)
+    try:
+        ours.register(impl="xla", fused_options=chunks)
+        fused = function_registry.get_policy_loss_fn("grpo_kernels_fused")
+        assert fused.keywords == {"impl": "xla", "options": chunks}
+    finally:
+        ours.register()
+
+
+# The grid runs eagerly: jitting every case (tunix's loss and both of ours, ~13 s of compiling
+# a case here) would take 26 minutes; op by op the cases share their compiled ops (~0.5 s each).
+# test_jitted_update_matches below runs the jitted programs.
+@pytest.mark.parametrize("case", GRID, ids=grid_id)
+def test_parity_with_tunix_grpo(qwen3, case):
+    model, examples = qwen3
+    *cfg_args, sampler = case
+    cfg = algo_config(*cfg_args)
+    example = examples[sampler]
+    want, want_aux, want_g = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg,
+                                            jit=False)
+    for fn in (ours.logits_policy_loss, ours.fused_policy_loss):
+        loss, aux, grads = loss_and_grads(fn, model, example, cfg, jit=False)
+        assert_parity(fn.__name__, (loss, aux, grads), (want, want_aux, want_g))
+
+
+def assert_parity(name, got, want):
+    (loss, aux, grads), (want_loss, want_aux, want_g) = got, want
+    assert np.isfinite(float(loss)), name
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=TOL, atol=TOL * 1e-2,
+                               err_msg=name)
+    assert max_rel_err(grads, want_g) <= TOL, name
+    for key, value in want_aux.items():
+        np.testing.assert_allclose(float(aux[key]), float(value), rtol=TOL, atol=1e-6,
+                                   err_msg=f"{name}: {key}")
+
+
+TUNIX_LIKE = ("sequence-mean-token-mean", "low_var_kl", "gspo-token", 3.0)
+
+
+@pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen2", False), ("qwen3", True),
+                                         ("llama3", False), ("llama3", True)])
+def test_model_families(family, tied):
+    model = tiny_model(family, seed=2, tied=tied)
+    example = train_example(model, seed=3, sampler=True)
+    cfg = algo_config(*TUNIX_LIKE)
+    want = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg, jit=False)
+    for fn in (ours.logits_policy_loss, ours.fused_policy_loss):
+        assert_parity(f"{family}-{fn.__name__}", loss_and_grads(fn, model, example, cfg,
+                                                                jit=False), want)
+
+
+def test_jitted_update_matches(qwen3):
+    """Under jit, as tunix's trainer runs the loss."""
+    model, examples = qwen3
+    cfg = algo_config("token-mean", "kl", "grpo", None)
+    want = loss_and_grads(algo_core.grpo_loss_fn, model, examples[True], cfg)
+    assert_parity("fused-jit", loss_and_grads(ours.fused_policy_loss, model, examples[True],
+                                              cfg), want)
+
+
+@pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen3", False), ("llama3", False)])
+def test_hidden_states_times_head_are_the_model_logits(family, tied):
+    model = tiny_model(family, seed=4, tied=tied)
+    example = train_example(model, seed=5)
+    inputs = ours.model_inputs(model, example, PAD, EOS)
+    logits, _ = model(**inputs, cache=None)
+    hidden = ours.hidden_states(model, inputs)
+    head = ours.lm_head(model, hidden)
+    spec = "bld,dv->blv" if head.layout == "hv" else "bld,vd->blv"
+    mine = jnp.einsum(spec, hidden.astype(head.dtype), head.weights)
+    np.testing.assert_allclose(np.asarray(mine, np.float64), np.asarray(logits, np.float64),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_model_within_rounding(qwen3):
+    """A bfloat16 Qwen3 (float32 parameters): the fused head rounds each logit to bf16 once,
+    as tunix's einsum in bf16 does; the two agree to bf16 precision, not bit for bit."""
+    model = tiny_model("qwen3", seed=6, dtype=jnp.bfloat16)
+    example = train_example(model, seed=7, sampler=True)
+    cfg = algo_config(*TUNIX_LIKE)
+    want = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg, jit=False)
+    for fn in (ours.logits_policy_loss, ours.fused_policy_loss):
+        loss, _, grads = loss_and_grads(fn, model, example, cfg, jit=False)
+        np.testing.assert_allclose(float(loss), float(want[0]), rtol=2e-2)
+        assert max_rel_err(grads, want[2]) <= 5e-2, fn.__name__
+
+
+def test_fused_update_holds_no_logits_sized_temporaries():
+    """Compiled temp bytes of one update (value_and_grad, jit) at V = 16,384: tunix's loss keeps
+    float32 [B, T, V] logits and their softmax; the fused loss, in chunks of 32 tokens, stays far
+    below one such copy. (The default chunk is 256 MiB on CPU: this shape fits in one.)"""
+    from flax import nnx
+
+    model = tiny_model("qwen3", seed=8)
+    model.lm_head.w.value = jnp.zeros((32, 16_384), jnp.float32)  # a large vocabulary
+    model.embedder.input_embedding.value = jnp.zeros((16_384, 32), jnp.float32)
+    example = train_example(model, seed=9, batch=4, prompt=8, completion=64)
+    cfg = algo_config("token-mean", "low_var_kl", "grpo", None)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def temp_bytes(fn):
+        def f(p):
+            return fn(nnx.merge(graphdef, p, rest), example, cfg, PAD, EOS)[0]
+        step = jax.jit(jax.value_and_grad(f))
+        return step.lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    logits_f32 = 4 * 4 * 64 * 16_384
+    fused = functools.partial(ours.fused_policy_loss,
+                              options=LmHeadBlockSizes(chunk_tokens=32))
+    tunix_bytes, fused_bytes = temp_bytes(algo_core.grpo_loss_fn), temp_bytes(fused)
+    assert tunix_bytes > 2 * logits_f32
+    assert fused_bytes < 0.5 * logits_f32, (fused_bytes, tunix_bytes)
+
+
+class NotATunixModel:
+    pass
+
+
+def test_errors_name_the_field():
+    model = tiny_model("qwen3", seed=0)
+    example = train_example(model, seed=1)
+    cfg = algo_config(*TUNIX_LIKE)
+    with pytest.raises(ValueError, match="Qwen2, Qwen3, Llama3 model; got NotATunixModel"):
+        ours.fused_policy_loss(NotATunixModel(), example, cfg, PAD, EOS)
+    packed = dataclasses.replace(example, segment_ids=jnp.ones_like(example.completion_ids))
+    with pytest.raises(ValueError, match="train_example.segment_ids"):
+        ours.fused_policy_loss(model, packed, cfg, PAD, EOS)
+    per_token = dataclasses.replace(example, advantages=jnp.ones(example.completion_ids.shape))
+    with pytest.raises(ValueError, match=r"train_example.advantages must be \[B\]"):
+        ours.logits_policy_loss(model, per_token, cfg, PAD, EOS)
+    for field, value, match in (("kl_loss_mode", "js", "GRPOConfig.kl_loss_mode"),
+                                ("epsilon_c", 0.5, "GRPOConfig.epsilon_c"),
+                                ("loss_agg_mode", "sum", "GRPOConfig.loss_agg_mode"),
+                                ("kl_clamp_value", -1.0, "GRPOConfig.kl_clamp_value")):
+        bad = algo_config(*TUNIX_LIKE)
+        setattr(bad, field, value)
+        with pytest.raises(ValueError, match=match):
+            ours.loss_config(bad, has_ref=True)
+
+
+def test_config_mapping():
+    cfg = ours.loss_config(algo_config(*TUNIX_LIKE), has_ref=True)
+    assert (cfg.kl_estimator, cfg.importance_sampling_level, cfg.dual_clip) == (
+        "k3", "sequence_token", 3.0)
+    assert (cfg.log_ratio_clamp, cfg.sequence_log_ratio_max) == (20.0, 10.0)
+    assert (cfg.epsilon_low, cfg.epsilon_high, cfg.temperature) == (0.2, 0.28, 0.7)
+    assert ours.loss_config(algo_config(*TUNIX_LIKE), has_ref=False).beta == 0.0
+    zero_t = algo_config(*TUNIX_LIKE)
+    zero_t.temperature = 0.0
+    assert ours.loss_config(zero_t, has_ref=True).temperature == 1.0
