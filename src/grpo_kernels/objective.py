@@ -92,22 +92,33 @@ def token_weights(
       ``[B, T]`` float32 weights (this device's rows); all zero when the mask is all zero.
     """
     mask = _f32(mask)
-    counts = _row_counts(mask)
-    mode = config.loss_agg_mode
-    if mode is not None and mode != "token-mean":
-        rows = jnp.maximum(batch_sum(jnp.sum((counts > 0).astype(jnp.float32))), 1.0)
-        if mode == "sequence-mean-token-mean":
-            return mask / (jnp.maximum(counts, 1.0) * rows)
-        if mode == "sequence-mean-token-scale":
-            return mask / (rows * float(mask.shape[-1]))
-        return mask / rows
-    if mode is None and config.loss_type == "grpo":
-        return mask / (jnp.maximum(counts, 1.0) * batch_sum(_f32(mask.shape[0])))
-    if mode is None and config.loss_type == "dr_grpo":
+    if config.loss_agg_mode is not None:
+        return _tunix_weights(mask, config.loss_agg_mode, batch_sum)
+    if config.loss_type == "grpo":
+        return mask / (jnp.maximum(_row_counts(mask), 1.0) * batch_sum(_f32(mask.shape[0])))
+    if config.loss_type == "dr_grpo":
         return mask / (batch_sum(_f32(mask.shape[0])) * float(config.max_completion_length))
-    if mode is not None or config.loss_type == "bnpo" or num_items_in_batch is None:
-        return mask / jnp.maximum(batch_sum(jnp.sum(mask)), 1.0)
+    if config.loss_type == "bnpo" or num_items_in_batch is None:
+        return _token_mean_weights(mask, batch_sum)
     return mask / _f32(num_items_in_batch)
+
+
+def _token_mean_weights(mask: Array, batch_sum: BatchSum) -> Array:
+    r""":math:`m_{bt} / \max(N, 1)` (``bnpo``, tunix's ``token-mean``)."""
+    return mask / jnp.maximum(batch_sum(jnp.sum(mask)), 1.0)
+
+
+def _tunix_weights(mask: Array, mode: str, batch_sum: BatchSum) -> Array:
+    """The weights of tunix's ``loss_agg_mode`` (see :func:`token_weights`)."""
+    if mode == "token-mean":
+        return _token_mean_weights(mask, batch_sum)
+    counts = _row_counts(mask)
+    rows = jnp.maximum(batch_sum(jnp.sum((counts > 0).astype(jnp.float32))), 1.0)
+    if mode == "sequence-mean-token-mean":
+        return mask / (jnp.maximum(counts, 1.0) * rows)
+    if mode == "sequence-mean-token-scale":
+        return mask / (rows * float(mask.shape[-1]))
+    return mask / rows  # seq-mean-token-sum, sequence-mean-token-sum-norm
 
 
 def log_importance_ratio(logp: Array, old_logp: Array, mask: Array,
@@ -209,11 +220,16 @@ def token_terms(
     return {"policy": policy, "kl": kl, "coef_1": coef_1, "coef_2": coef_2}
 
 
-def per_token_loss(terms: dict[str, Array | None], config: GRPOLossConfig) -> Array:
-    """``policy + beta * kl`` of :func:`token_terms` (the KL only when ``beta > 0``)."""
-    if config.beta > 0:
-        return terms["policy"] + config.beta * terms["kl"]
-    return terms["policy"]
+def weighted_loss(weights: Array, terms: dict[str, Array | None], config: GRPOLossConfig,
+                  batch_sum: BatchSum = _local) -> tuple[Array, Array, Array]:
+    """``(loss, policy_loss, kl_loss)``: the two parts summed with ``weights`` (of the whole
+    batch, through ``batch_sum``) and ``loss = policy_loss + beta * kl_loss``, the KL only when
+    ``beta > 0`` (``kl_loss`` is 0 without reference log-probs)."""
+    policy_loss = batch_sum(jnp.sum(weights * terms["policy"]))
+    kl = terms["kl"]
+    kl_loss = jnp.float32(0.0) if kl is None else batch_sum(jnp.sum(weights * kl))
+    loss = policy_loss + config.beta * kl_loss if config.beta > 0 else policy_loss
+    return loss, policy_loss, kl_loss
 
 
 def grpo_objective(
@@ -252,11 +268,8 @@ def grpo_objective(
     terms = token_terms(logp, log_ratio, _f32(advantages)[:, None], config, ref_logps,
                         sampler_weights)
     weights = token_weights(mask, config, num_items_in_batch, batch_sum)
-    policy_loss = batch_sum(jnp.sum(weights * terms["policy"]))
-    kl = terms["kl"]
-    kl_loss = jnp.float32(0.0) if kl is None else batch_sum(jnp.sum(weights * kl))
-    loss = policy_loss + config.beta * kl_loss if config.beta > 0 else policy_loss
-    return loss, {"coef_1": terms["coef_1"], "kl": kl, "policy_loss": policy_loss,
+    loss, policy_loss, kl_loss = weighted_loss(weights, terms, config, batch_sum)
+    return loss, {"coef_1": terms["coef_1"], "kl": terms["kl"], "policy_loss": policy_loss,
                   "kl_loss": kl_loss}
 
 
@@ -380,6 +393,6 @@ def token_loss_grad(
         old = jax.lax.stop_gradient(lp) if old_logp is None else _f32(old_logp)
         ratio = log_importance_ratio(lp, old, None, config)
         terms = token_terms(lp, ratio, advantages, config, ref_logp, sampler_weights)
-        return jnp.sum(_f32(weights) * per_token_loss(terms, config))
+        return weighted_loss(_f32(weights), terms, config)[0]
 
     return jax.grad(total)(_f32(logp))
