@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from grpo_kernels import (
     GRPOLossConfig,
+    LmHeadBlockSizes,
     LmHeadPallasOptions,
     PallasBlockSizes,
     PallasOptions,
@@ -198,6 +199,13 @@ def test_lm_head_sharded_reference_equals_one_device(m, cfg):
 def test_lm_head_vh_layout_with_bias(m, impl):
     _check(*_sharded_head(m, FEW[2], impl, layout="vh", bias=True))
 
+
+@pytest.mark.parametrize("cfg", [FEW[0], FEW[3]], ids=cfg_id)
+@pytest.mark.parametrize("m", MESHES[1:3], ids=mesh_id)
+def test_lm_head_dweight_by_vocabulary_equals_one_device(m, cfg):
+    """dweight="vocab" on each device's head shard: dW by vocabulary blocks of the shard."""
+    blocks = LmHeadBlockSizes(dweight="vocab", chunk_tokens=16)
+    _check(*_sharded_head(m, cfg, "xla", layout="vh", bias=True, options=blocks))
 
 # --- tunix's options (aggregations over non-empty rows, clamps, dual clip, sampler weights) ---
 

@@ -77,6 +77,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="operand dtype: bf16 | bfloat16 | f32 | float32 (default float32)")
     p.add_argument("--layout", default="hv", choices=LAYOUTS, help="lm_head layout")
     p.add_argument("--chunk-tokens", type=int, help="xla chunk rows (default: planned)")
+    p.add_argument("--dweight", default="tokens", choices=["tokens", "vocab", "both"],
+                   help="how xla forms the weight gradient (LmHeadBlockSizes.dweight); both: "
+                   "two xla rows, the second labelled xla/dweight=vocab (default tokens)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -113,10 +116,17 @@ def run(args: argparse.Namespace) -> int:
                              config, layout=args.layout)
     show = args.format != "json"
 
-    def step_for(impl: str, on_mesh: bool = True):
+    # (row label, impl, dweight): with --dweight both, xla runs once per mode.
+    modes = ("tokens", "vocab") if args.dweight == "both" else (args.dweight,)
+    rows = [(i if (i != "xla" or d == "tokens") else f"xla/dweight={d}", i, d)
+            for i in impls for d in (modes if i == "xla" else ("tokens",))]
+    variant = {label: (impl, dweight) for label, impl, dweight in rows}
+
+    def step_for(label: str, on_mesh: bool = True):
+        impl, dweight = variant[label]
         kw: dict[str, Any] = {}
-        if impl == "xla" and args.chunk_tokens:
-            kw["options"] = LmHeadBlockSizes(chunk_tokens=args.chunk_tokens)
+        if impl == "xla" and (args.chunk_tokens or dweight != "tokens"):
+            kw["options"] = LmHeadBlockSizes(chunk_tokens=args.chunk_tokens, dweight=dweight)
         if sharded and on_mesh:
             kw.update(mesh=sharded[0], sharding=sharded[1])
             op = sharded_grpo_loss_from_hidden
@@ -136,8 +146,8 @@ def run(args: argparse.Namespace) -> int:
         spec.check_divisible(mesh, args.batch, args.vocab, "--batch/--vocab")
         args_ = (mesh_flags.put(mesh, inp.hidden, spec.rows(3)),
                  mesh_flags.put(mesh, inp.lm_head, spec.head(args.layout)))
-    results = [time_compiled(i, step_for(i), args_, args.iters, args.warmup, show,
-                             collectives=bool(sharded)) for i in impls]
+    results = [time_compiled(label, step_for(label), args_, args.iters, args.warmup, show,
+                             collectives=bool(sharded)) for label, _, _ in rows]
     ok = True
     if sharded:
         ok = mesh_flags.add_scaling(

@@ -13,7 +13,7 @@ from grpo_kernels.config import LOSS_TYPES
 from grpo_kernels.ops.lm_head_loss import pallas_tpu
 from grpo_kernels.ops.lm_head_loss import xla_sweep
 from grpo_kernels.ops.lm_head_loss.head import delta_dtype
-from grpo_kernels.ops.lm_head_loss.xla import plan_chunk
+from grpo_kernels.ops.lm_head_loss.xla import plan_chunk, plan_vocab_block
 from tests.helpers import as64, cached_reference, option_grid, option_id, rel_err
 from tests.oracle import oracle
 
@@ -138,6 +138,64 @@ def test_dweight_blocks_with_a_tail(monkeypatch, layout):
     assert xla_sweep.dweight_rows(H, V) == 104
     cfg = GRPOLossConfig(beta=0.04)
     assert_close("xla", make_inputs(11, layout=layout, bias=True), cfg, layout)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("layout", ["hv", "vh"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_dweight_by_vocabulary_blocks(level, layout, bias):
+    """dweight="vocab": dW and db from a pass over 128-column blocks (V = 1000: seven full
+    blocks and a tail of 104), every token at once; token and sequence level."""
+    cfg = GRPOLossConfig(beta=0.04, temperature=0.7, importance_sampling_level=level)
+    blocks = LmHeadBlockSizes(chunk_tokens=8, chunk_bytes=128 * 32 * B * T, dweight="vocab")
+    assert plan_vocab_block(B * T, V, blocks, "cpu") == 128
+    assert_close("xla", make_inputs(14, layout=layout, bias=bias), cfg, layout, options=blocks)
+
+
+def test_dweight_by_vocabulary_blocks_bf16_and_options():
+    """The vocabulary pass in bf16 (within one rounding of the other mode, which the bf16 test
+    checks against the reference) and under tunix's options with sampler weights."""
+    cfg = GRPOLossConfig(beta=0.04, temperature=0.7)
+    inputs = make_inputs(15, b=2, t=64, h=128, v=2048, dtype=jnp.bfloat16)
+    _, _, by_tokens = run("xla", inputs, cfg)
+    _, _, by_vocab = run("xla", inputs, cfg, options=LmHeadBlockSizes(dweight="vocab"))
+    assert by_vocab[1].dtype == jnp.bfloat16
+    assert rel_err(by_vocab[0], by_tokens[0]) == 0.0  # dh: the same token pass
+    assert rel_err(by_vocab[1], by_tokens[1]) <= 2.0 ** -7
+    cfg, _ = OPTIONS[-1]
+    hidden, w, ids, mask, adv, extra, _ = make_inputs(16)
+    extra = {**extra, "sampler_weights": jax.random.uniform(
+        jax.random.PRNGKey(17), mask.shape, jnp.float32, 0.2, 2.0)}
+    assert_close("xla", (hidden, w, ids, mask, adv, extra, None), cfg,
+                 options=LmHeadBlockSizes(chunk_tokens=8, dweight="vocab"))
+
+
+def test_dweight_by_vocabulary_holds_no_accumulator():
+    """Planned temporaries against the head's width (N = 512, V = 32768, bf16, H = 512 and
+    1024): with dweight="tokens" they grow by the float32 accumulator's 4 bytes per weight;
+    by vocabulary blocks by at most the 2 bytes of the bf16 buffer XLA:CPU plans for the loop
+    that writes dW (plus 10%)."""
+    spec = jax.ShapeDtypeStruct
+    b, t, v = 2, 256, 32768
+    cfg = GRPOLossConfig(beta=0.04)
+    ids, mask = jnp.zeros((b, t), jnp.int32), jnp.ones((b, t))
+    old, adv = jnp.zeros((b, t)), jnp.ones((b,))
+
+    def temp_bytes(mode, h):
+        def f(hh, ww):
+            return grpo_loss_from_hidden(hh, ww, ids, mask, adv, config=cfg, impl="xla",
+                                         old_logps=old, ref_logps=old,
+                                         options=LmHeadBlockSizes(dweight=mode))
+        step = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+        compiled = step.lower(spec((b, t, h), jnp.bfloat16),
+                              spec((h, v), jnp.bfloat16)).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    weights = (1024 - 512) * v
+    by_tokens = temp_bytes("tokens", 1024) - temp_bytes("tokens", 512)
+    by_vocab = temp_bytes("vocab", 1024) - temp_bytes("vocab", 512)
+    assert by_tokens >= 4 * weights, by_tokens / weights
+    assert by_vocab <= 2.2 * weights, by_vocab / weights
 
 
 def test_delta_dtype_is_the_narrower():
@@ -291,6 +349,9 @@ def test_plan_chunk():
     assert plan_chunk(8192, 151_936, LmHeadBlockSizes(), "gpu") == 2048
     assert plan_chunk(1000, 151_936, LmHeadBlockSizes(), "gpu") == 1000
     assert plan_chunk(8192, 151_936, LmHeadBlockSizes(chunk_bytes=100 << 20), "gpu") == 128
+    assert plan_vocab_block(8192, 151_936, LmHeadBlockSizes(), "cpu") == 128
+    assert plan_vocab_block(512, 151_936, LmHeadBlockSizes(), "cpu") == 2048
+    assert plan_vocab_block(8, 1000, LmHeadBlockSizes(), "cpu") == 1000
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -318,6 +379,13 @@ def test_bad_input_names_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
         grpo_loss_from_hidden(hidden, w, ids, jnp.ones((B, T)), jnp.ones((B,)),
                               config=GRPOLossConfig(), bias=bias, **kwargs)
+
+
+def test_block_sizes_validation():
+    with pytest.raises(ValueError, match=r"LmHeadBlockSizes.dweight must be one of \('tokens'"):
+        LmHeadBlockSizes(dweight="rows")
+    with pytest.raises(ValueError, match="LmHeadBlockSizes.chunk_tokens"):
+        LmHeadBlockSizes(chunk_tokens=0)
 
 
 def test_pallas_options_validation():

@@ -30,7 +30,10 @@ the op then runs the loop twice: statistics first (one matmul), then the gradien
 
 Peak temporary memory is ``O(c V)`` plus the ``[H, V]`` float32 accumulator and ``[N, H]`` for
 ``dhidden``: no ``[N, V]`` array exists. ``c`` comes from a byte budget over ``V``
-(:func:`plan_chunk`).
+(:func:`plan_chunk`). With ``LmHeadBlockSizes(dweight="vocab")`` the token pass forms ``dh``
+only, and ``dW``, ``db`` come from a pass over blocks of vocabulary columns
+(:func:`~grpo_kernels.ops.lm_head_loss.xla_sweep.vocab_sweep`): no accumulator, one more
+matmul of the logits' size.
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ import jax.numpy as jnp
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import token_loss_grad, token_separable, token_weights
 from grpo_kernels.ops.core.batch import TokenBatch
-from grpo_kernels.ops.core.dtypes import common_dtype
+from grpo_kernels.ops.core.dtypes import cast_to, common_dtype
 from grpo_kernels.ops.core.options import check_int
-from grpo_kernels.ops.core.vjp import loss_with_gradient
+from grpo_kernels.ops.core.vjp import loss_with_gradient, scale_by_cotangent
 from grpo_kernels.ops.lm_head_loss.head import HeadFormat
 from grpo_kernels.ops.lm_head_loss.xla_sweep import (
     GradFn,
@@ -54,6 +57,7 @@ from grpo_kernels.ops.lm_head_loss.xla_sweep import (
     dweight_rows,
     head_sweep,
     rows_of as _rows,
+    vocab_sweep,
 )
 
 Array = jax.Array
@@ -68,14 +72,28 @@ class LmHeadBlockSizes:
       chunk_tokens: Rows (tokens) per chunk; ``None`` derives it from ``chunk_bytes``.
       chunk_bytes: Target size of one chunk's vocabulary-sized work arrays (float32 logits plus
         the logits-dtype gradient); ``None`` picks a backend default.
+      dweight: How the weight gradient is summed over tokens. ``"tokens"`` (default, the
+        faster): in the token pass, into an ``[H, V]`` float32 accumulator (three matmuls of
+        the logits' size per step). ``"vocab"`` (the smaller): in a second pass over blocks of
+        vocabulary columns, every token at once
+        (:func:`~grpo_kernels.ops.lm_head_loss.xla_sweep.vocab_sweep`): no accumulator, four
+        matmuls. Worth it when ``4 H V`` bytes are a large share of the step's memory, e.g. a
+        wide head over a few thousand tokens; docs/lm_head.md has the measured trade.
     """
 
     chunk_tokens: int | None = None
     chunk_bytes: int | None = None
+    dweight: str = "tokens"
 
     def __post_init__(self) -> None:
         for name in ("chunk_tokens", "chunk_bytes"):
             check_int("LmHeadBlockSizes", name, getattr(self, name))
+        if self.dweight not in DWEIGHT_MODES:
+            raise ValueError(f"LmHeadBlockSizes.dweight must be one of {DWEIGHT_MODES}, "
+                             f"got {self.dweight!r}")
+
+
+DWEIGHT_MODES: tuple[str, ...] = ("tokens", "vocab")
 
 
 # Byte budget of one chunk's [c, V] float32 logits. CPU and GPU: the measured choices of
@@ -102,6 +120,18 @@ def plan_chunk(n_rows: int, vocab: int, blocks: LmHeadBlockSizes, backend: str) 
     if backend in _POW2_CHUNKS:
         rows = max(8, 1 << (rows.bit_length() - 1))
     return min(rows, n_rows)
+
+
+def plan_vocab_block(n_rows: int, vocab: int, blocks: LmHeadBlockSizes, backend: str) -> int:
+    """Vocabulary columns per block of :func:`vocab_sweep`: an eighth of the chunk's byte
+    budget over a column's ``N`` float32 logits, a multiple of 128, at least 128.
+
+    The eighth because a block keeps several ``[N, cols]`` arrays live (logits, their
+    exponent, ``delta``); with the whole budget per array the pass planned more than the
+    accumulator it replaces (N = 512, H = 1024, V = 32768 on XLA:CPU).
+    """
+    budget = blocks.chunk_bytes or _DEFAULT_CHUNK_BYTES.get(backend, 256 << 20)
+    return min(vocab, max(128, budget // (32 * n_rows) // 128 * 128))
 
 
 def _flat(x: Array | None) -> Array | None:
@@ -154,8 +184,11 @@ def xla_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: T
     Args, returns: as :func:`grpo_kernels.grpo_loss_from_hidden` (checked there).
     """
     b, t, _ = hidden.shape
-    rows = plan_chunk(b * t, fmt.vocab(lm_head), options or LmHeadBlockSizes(),
-                      jax.default_backend())
+    blocks, backend = options or LmHeadBlockSizes(), jax.default_backend()
+    vocab = fmt.vocab(lm_head)
+    rows = plan_chunk(b * t, vocab, blocks, backend)
+    by_vocab = blocks.dweight == "vocab"
+    cols = plan_vocab_block(b * t, vocab, blocks, backend)
     tau = config.temperature
 
     def forward(primals, batch, with_grad):
@@ -163,14 +196,32 @@ def xla_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: T
         ids = batch.clamped_ids(head.vocab).reshape(-1)
         grad_fn = _token_grad_fn(batch, config) if with_grad and token_separable(config) \
             else None
-        (logp, _, ent), grads = head_sweep(h, ids, head, tau, rows, grad_fn)
+        (logp, lse, ent), grads = head_sweep(h, ids, head, tau, rows, grad_fn,
+                                             dweight=not by_vocab)
         loss, metrics, g = batch.loss(logp.reshape(b, t), ent.reshape(b, t), config,
                                       with_grad=with_grad and grads is None)
         if g is not None:  # sequence level: a second pass with g known
-            _, grads = head_sweep(h, ids, head, tau, rows, _given_grad_fn(g.reshape(-1)))
-        return (loss, metrics), None if grads is None else _cast_grads(primals, *grads)
+            g = g.reshape(-1)
+            _, grads = head_sweep(h, ids, head, tau, rows, _given_grad_fn(g),
+                                  dweight=not by_vocab)
+        elif grads is not None and by_vocab:
+            g = grad_fn(0, b * t, logp)
+        if grads is None or not by_vocab:
+            return (loss, metrics), None if grads is None else _cast_grads(primals, *grads)
+        return (loss, metrics), (grads[0], primals, ids, lse, g)
 
-    return loss_with_gradient(forward)((hidden, lm_head, bias), batch)
+    def vocab_backward(residuals, cotangent):
+        # dW and db in the backward, so that the vocabulary pass writes the returned gradient
+        # itself: formed in the forward, it would be a weight-sized residual and the
+        # cotangent's product a second weight-sized array.
+        dh, primals, ids, lse, g = residuals
+        h, head = _rows_and_head(*primals, fmt)
+        dh = cast_to(dh.astype(_F32) * cotangent, dh.dtype)
+        return _cast_grads(primals, dh, *vocab_sweep(h, ids, head, tau, lse, g * cotangent,
+                                                     cols))
+
+    backward = vocab_backward if by_vocab else scale_by_cotangent
+    return loss_with_gradient(forward, backward)((hidden, lm_head, bias), batch)
 
 
 def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadBlockSizes | None,
@@ -186,10 +237,13 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadBlockSizes |
     # Planned as for the whole vocabulary, twice: the statistics and the gradient are separate
     # passes here (the gradient needs the global lse), and XLA keeps both passes' chunk buffers,
     # so each gets half of the one-pass budget.
-    rows = plan_chunk(b * t, 2 * vocab, options or LmHeadBlockSizes(), jax.default_backend())
+    blocks = options or LmHeadBlockSizes()
+    rows = plan_chunk(b * t, 2 * vocab, blocks, jax.default_backend())
+    cols = plan_vocab_block(b * t, vocab, blocks, jax.default_backend())
     # dW update blocks of as many rows as the whole head's: the float32 product [rows, V_local]
     # shrinks with the shard.
     dw_rows = dweight_rows(hdim, vocab)
+    by_vocab = blocks.dweight == "vocab"
 
     def stats(primals, ids):
         h, head = _rows_and_head(*primals, fmt)
@@ -198,9 +252,12 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadBlockSizes |
 
     def grad(primals, hit_ids, lse, g):
         h, head = _rows_and_head(*primals, fmt)
-        _, grads = head_sweep(h, hit_ids.reshape(-1), head, temperature, rows,
-                              _given_grad_fn(g.reshape(-1)), dw_rows=dw_rows,
-                              lse=lse.reshape(-1), reduce_dh=reduce_dh)
+        ids, lse, g = hit_ids.reshape(-1), lse.reshape(-1), g.reshape(-1)
+        _, grads = head_sweep(h, ids, head, temperature, rows, _given_grad_fn(g),
+                              dw_rows=dw_rows, lse=lse, reduce_dh=reduce_dh,
+                              dweight=not by_vocab)
+        if by_vocab:
+            grads = (grads[0], *vocab_sweep(h, ids, head, temperature, lse, g, cols))
         return _cast_grads(primals, *grads)
 
     return stats, grad

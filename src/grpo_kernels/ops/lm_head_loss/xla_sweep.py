@@ -174,6 +174,7 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
                grad_fn: GradFn | None, dw_rows: int | None = None,
                lse: Array | None = None,
                reduce_dh: Callable[[Array], Array] | None = None,
+               dweight: bool = True,
                ) -> tuple[tuple[Array, Array, Array], Any]:
     """One pass over chunks of ``rows`` tokens.
 
@@ -193,6 +194,8 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
       reduce_dh: Applied to each chunk's float32 ``dh`` before it is stored: the ``psum`` over
         the vocab axis when the head is a vocabulary shard, so that no ``[N, H]`` partial sum
         is ever held (:mod:`grpo_kernels.sharding`).
+      dweight: ``False``: a gradient pass forms ``dh`` only (``dW`` and ``db`` come back
+        ``None``; :func:`vocab_sweep` forms them without the ``[H, V]`` float32 accumulator).
 
     Returns:
       ``((logp, lse, entropy), grads)``: three ``[N]`` float32 vectors, and ``None`` or
@@ -227,7 +230,8 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
         dhc = head.dhidden(delta)
         dhc = _as_bits((dhc if reduce_dh is None else reduce_dh(dhc)).astype(h.dtype))
         dh_bits = jax.lax.dynamic_update_slice_in_dim(dh_bits, dhc, start, 0)
-        dw = _accumulate_dweight(dw, jax.lax.optimization_barrier(hc.T), delta, dw_rows)
+        if dw is not None:
+            dw = _accumulate_dweight(dw, jax.lax.optimization_barrier(hc.T), delta, dw_rows)
         if db is not None:
             db = db + jnp.sum(delta.astype(_F32), axis=0)
         return stats, (dh_bits, dw, db)
@@ -240,10 +244,59 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
     if grad_fn is not None:
         dh0 = _as_bits(jnp.zeros((n, hidden), h.dtype))
         dh0 = vary_like(dh0, h) if reduce_dh is not None else vary_like(dh0, *like)
-        grads0 = (dh0, vary_like(jnp.zeros((hidden, vocab), _F32), *like),
-                  None if head.bias is None else vary_like(jnp.zeros((vocab,), _F32), *like))
+        grads0 = (dh0, None, None)
+        if dweight:
+            grads0 = (dh0, vary_like(jnp.zeros((hidden, vocab), _F32), *like),
+                      None if head.bias is None else vary_like(jnp.zeros((vocab,), _F32), *like))
     stats, grads = sweep(n, rows, chunk, (stats0, grads0))
     if grads is not None:
         dh, dw, db = grads
-        grads = (_from_bits(dh, h.dtype), dw if head.layout == "hv" else dw.T, db)
+        grads = (_from_bits(dh, h.dtype),
+                 dw if dw is None or head.layout == "hv" else dw.T, db)
     return stats, grads
+
+
+def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array, g: Array,
+                cols: int) -> tuple[Array, Array | None]:
+    r"""``dW`` and ``db`` in one pass over blocks of ``cols`` vocabulary columns, every token at
+    once, given each token's ``lse`` and ``g = dL/dlogp`` (``[N]``, from a token pass).
+
+    Per block :math:`\mathcal{B}`: :math:`z_{\mathcal{B}} = h W_{\mathcal{B}} + b_{\mathcal{B}}`
+    (``[N, cols]``, rounded as the logits are), :math:`\delta = \frac{g}{\tau}(\mathbb{1}[v = y]
+    - e^{s - \mathrm{lse}})`, :math:`\partial L/\partial W_{\mathcal{B}} = h^\top \delta` and
+    :math:`\partial L/\partial b_{\mathcal{B}} = \sum_n \delta_n`: each block of the weight
+    gradient is summed over all ``N`` tokens inside one float32 matmul and rounded to the
+    weight dtype once, so no ``[H, V]`` float32 accumulator exists. The price is the logits'
+    matmul a second time (four matmuls of the logits' size per step instead of three).
+
+    Returns:
+      ``(dW in W's dtype and layout, db float32 or None)``.
+    """
+    n = h.shape[0]
+    vocab, axis = head.vocab, (1 if head.layout == "hv" else 0)
+    coef = (g.astype(_F32) / temperature)[:, None]
+    lse_col = lse[:, None]
+    kind = delta_dtype(head.logits_dtype, head.w.dtype)
+
+    def block(col, width, carry):
+        dw_bits, db = carry
+        bias = None if head.bias is None else jax.lax.dynamic_slice_in_dim(head.bias, col, width)
+        part = Head(_slice_rows(head.w, col, width, axis=axis), bias, head.layout,
+                    head.logits_dtype)
+        s = part.logits(h).astype(_F32) / temperature
+        hit = jax.lax.broadcasted_iota(jnp.int32, (n, width), 1) + col == ids[:, None]
+        delta = cast_to(coef * (hit.astype(_F32) - jnp.exp(s - lse_col)), kind)
+        if head.layout == "hv":
+            upd = matmul(h, delta, ((0,), (0,)))  # [H, cols]
+        else:
+            upd = matmul(delta, h, ((0,), (0,)))  # [cols, H]
+        upd = _as_bits(upd.astype(head.w.dtype))
+        dw_bits = jax.lax.dynamic_update_slice_in_dim(dw_bits, upd, col, axis)
+        if db is not None:
+            db = jax.lax.dynamic_update_slice_in_dim(db, jnp.sum(delta.astype(_F32), 0), col, 0)
+        return dw_bits, db
+
+    init = (_as_bits(jnp.zeros(head.w.shape, head.w.dtype)),
+            None if head.bias is None else jnp.zeros((vocab,), _F32))
+    dw_bits, db = sweep(vocab, min(cols, vocab), block, init, like=(h, ids, head.w, lse, g))
+    return _from_bits(dw_bits, head.w.dtype), db

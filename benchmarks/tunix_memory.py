@@ -1,0 +1,121 @@
+"""Planned temporaries of one tunix actor update through the LM head: tunix's "grpo" against ours.
+
+    python benchmarks/tunix_memory.py                       # the issue's four shapes
+    python benchmarks/tunix_memory.py --hidden 2048 --tokens 8192 --json out.json
+
+Compile-only (nothing of model size is allocated): for each head shape a tunix Qwen3 with the
+real embedder, final norm and head of Qwen3-1.7B (H=2048, tied) or Qwen3-8B (H=4096, untied)
+but no decoder layers, so what is measured is the head and the loss, not attention. One
+sequence: a 128-token prompt and T completion tokens, bf16 parameters and compute. The step is
+`jit(value_and_grad)` of the policy loss w.r.t. the parameters, as tunix's trainer
+differentiates it, except an untied input embedding: its gradient is the same scatter in every
+path and not part of the head (a tied head's weights are the embedding, so there it stays).
+The figure is XLA's plan, `memory_analysis().temp_size_in_bytes`, on this CPU's backend.
+
+Contenders: tunix's own "grpo"; our registered "grpo_kernels_fused" (default options); and the
+same with `LmHeadBlockSizes(dweight="vocab")`, which forms the weight gradient by vocabulary
+blocks instead of a float32 [H, V] accumulator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+PROMPT = 128
+SHAPES = {2048: ("Qwen3-1.7B", True), 4096: ("Qwen3-8B", False)}
+
+
+def _contenders() -> dict[str, Any]:
+    import functools
+
+    from tunix.rl import function_registry
+
+    from grpo_kernels import LmHeadBlockSizes
+    from grpo_kernels.integrations import tunix as ours
+
+    return {"grpo": function_registry.get_policy_loss_fn("grpo"),
+            "grpo_kernels_fused": function_registry.get_policy_loss_fn("grpo_kernels_fused"),
+            "grpo_kernels_fused, dweight=vocab": functools.partial(
+                ours.fused_policy_loss, impl="auto",
+                options=LmHeadBlockSizes(dweight="vocab"))}
+
+
+def temp_bytes(loss_fn: Any, hidden: int, tokens: int, vocab: int) -> int:
+    """Planned temp bytes of one jitted loss-and-gradient step (see the module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from tunix.models.qwen3 import model as qwen3
+    from tunix.rl import common
+    from tunix.rl.grpo.grpo_learner import GRPOConfig
+
+    tied = SHAPES.get(hidden, ("", True))[1]
+    config = qwen3.ModelConfig(
+        num_layers=0, vocab_size=vocab, embed_dim=hidden, hidden_dim=4 * hidden, num_heads=16,
+        head_dim=128, num_kv_heads=8, rope_theta=1_000_000, norm_eps=1e-6,
+        use_tied_embedding=tied, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    model = nnx.eval_shape(lambda: qwen3.Qwen3(config, rngs=nnx.Rngs(0)))
+    trained = nnx.Param if tied else nnx.All(nnx.Param, nnx.Not(nnx.PathContains("embedder")))
+    graphdef, params, rest = nnx.split(model, trained, ...)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    example = common.TrainExample(
+        prompt_ids=i32(1, PROMPT), prompt_mask=i32(1, PROMPT), completion_ids=i32(1, tokens),
+        completion_mask=i32(1, tokens), advantages=f32(1), ref_per_token_logps=f32(1, tokens),
+        old_per_token_logps=f32(1, tokens))
+    algo = GRPOConfig(num_generations=2, beta=0.04)
+    algo.temperature = 1.0  # the learner copies the rollout temperature here
+
+    def loss(p, frozen, ex):
+        return loss_fn(nnx.merge(graphdef, p, frozen), ex, algo, 0, 1)[0]
+
+    step = jax.jit(jax.value_and_grad(loss))
+    return step.lower(params, rest, example).compile().memory_analysis().temp_size_in_bytes
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, nargs="+", default=[2048, 4096],
+                   help="head widths H (2048: Qwen3-1.7B, tied; 4096: Qwen3-8B, untied)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768],
+                   help="completion tokens T of the one sequence")
+    p.add_argument("--vocab", type=int, default=151_936)
+    p.add_argument("--json", help="also write the rows to this file")
+    args = p.parse_args(argv)
+    for name, value in (("--vocab", args.vocab), *(("--hidden", h) for h in args.hidden),
+                        *(("--tokens", t) for t in args.tokens)):
+        if value <= 0:
+            p.error(f"{name} must be positive, got {value}")
+
+    import grpo_kernels.integrations.tunix  # noqa: F401  (registers our two losses)
+
+    contenders = _contenders()
+    names = list(contenders)
+    rows = []
+    print("| model head | H | T | " + " | ".join(f"`{n}`" for n in names)
+          + " | ratios to `grpo` |\n|---|---|---|" + "---|" * len(names) + "---|")
+    for hidden in args.hidden:
+        for tokens in args.tokens:
+            row = {"hidden": hidden, "tokens": tokens, "vocab": args.vocab, "prompt": PROMPT}
+            for name in names:
+                start = time.perf_counter()
+                row[name] = temp_bytes(contenders[name], hidden, tokens, args.vocab)
+                print(f"  planned {name} H={hidden} T={tokens} in "
+                      f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
+            rows.append(row)
+            cells = " | ".join(f"{row[n] / 2**30:.2f} GiB" for n in names)
+            ratios = " / ".join(f"{row[n] / row[names[0]]:.3f}" for n in names[1:])
+            label = SHAPES.get(hidden, ("custom", True))[0]
+            print(f"| {label} | {hidden} | {tokens:,} | {cells} | {ratios} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
