@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     def step_for(label: str, on_mesh: bool = True):
         impl, dweight = variant[label]
         kw: dict[str, Any] = {}
-        if impl == "xla" and (args.chunk_tokens or dweight != "tokens"):
+        if impl == "xla":  # chunk_tokens None: planned
             kw["options"] = LmHeadBlockSizes(chunk_tokens=args.chunk_tokens, dweight=dweight)
         if sharded and on_mesh:
             kw.update(mesh=sharded[0], sharding=sharded[1])

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import token_loss_grad, token_separable, token_weights
 from grpo_kernels.ops.core.batch import TokenBatch
-from grpo_kernels.ops.core.dtypes import cast_to, common_dtype
+from grpo_kernels.ops.core.dtypes import common_dtype
 from grpo_kernels.ops.core.options import check_int
 from grpo_kernels.ops.core.vjp import loss_with_gradient, scale_by_cotangent
 from grpo_kernels.ops.lm_head_loss.head import HeadFormat
@@ -216,7 +216,7 @@ def xla_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: T
         # cotangent's product a second weight-sized array.
         dh, primals, ids, lse, g = residuals
         h, head = _rows_and_head(*primals, fmt)
-        dh = cast_to(dh.astype(_F32) * cotangent, dh.dtype)
+        dh, = scale_by_cotangent((dh,), cotangent)
         return _cast_grads(primals, dh, *vocab_sweep(h, ids, head, tau, lse, g * cotangent,
                                                      cols))
 

@@ -170,6 +170,17 @@ def _accumulate_dweight(dw: Array, hc_t: Array, delta: Array, rows: int) -> Arra
     return sweep(dw.shape[0], min(rows, dw.shape[0]), body, dw, like=(hc_t, delta))
 
 
+def logits_delta(s: Array, ids: Array, coef: Array, lse: Array, head: Head,
+                 col: Any = 0) -> Array:
+    r"""``delta = coef (1[v = y] - e^{s - lse})`` for the rows of ``s [r, w]``, whose columns
+    are the vocabulary's ``col .. col + w``; ``coef`` (``g / tau``), ``lse`` and ``ids`` are
+    ``[r]``. In the dtype the two gradient matmuls take (:func:`delta_dtype`). An id outside the
+    columns (``-1``: a vocabulary shard that does not own it) has no one-hot term."""
+    hit = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) == (ids - col)[:, None]
+    return cast_to(coef[:, None] * (hit.astype(_F32) - jnp.exp(s - lse[:, None])),
+                   delta_dtype(head.logits_dtype, head.w.dtype))
+
+
 def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
                grad_fn: GradFn | None, dw_rows: int | None = None,
                lse: Array | None = None,
@@ -221,12 +232,9 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
         if grads is None:
             return stats, None
         dh_bits, dw, db = grads
-        coef = (grad_fn(start, size, logp) / temperature)[:, None]
-        hit = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) == idc[:, None]
         if lse is not None:
             lse_c = jax.lax.dynamic_slice_in_dim(lse, start, size)
-        delta = cast_to(coef * (hit.astype(_F32) - jnp.exp(s - lse_c[:, None])),
-                        delta_dtype(head.logits_dtype, head.w.dtype))
+        delta = logits_delta(s, idc, grad_fn(start, size, logp) / temperature, lse_c, head)
         dhc = head.dhidden(delta)
         dhc = _as_bits((dhc if reduce_dh is None else reduce_dh(dhc)).astype(h.dtype))
         dh_bits = jax.lax.dynamic_update_slice_in_dim(dh_bits, dhc, start, 0)
@@ -272,11 +280,8 @@ def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array
     Returns:
       ``(dW in W's dtype and layout, db float32 or None)``.
     """
-    n = h.shape[0]
     vocab, axis = head.vocab, (1 if head.layout == "hv" else 0)
-    coef = (g.astype(_F32) / temperature)[:, None]
-    lse_col = lse[:, None]
-    kind = delta_dtype(head.logits_dtype, head.w.dtype)
+    coef = g.astype(_F32) / temperature
 
     def block(col, width, carry):
         dw_bits, db = carry
@@ -284,8 +289,7 @@ def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array
         part = Head(_slice_rows(head.w, col, width, axis=axis), bias, head.layout,
                     head.logits_dtype)
         s = part.logits(h).astype(_F32) / temperature
-        hit = jax.lax.broadcasted_iota(jnp.int32, (n, width), 1) + col == ids[:, None]
-        delta = cast_to(coef * (hit.astype(_F32) - jnp.exp(s - lse_col)), kind)
+        delta = logits_delta(s, ids, coef, lse, head, col)
         if head.layout == "hv":
             upd = matmul(h, delta, ((0,), (0,)))  # [H, cols]
         else:
