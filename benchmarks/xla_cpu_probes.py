@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels import GRPOLossConfig, grpo_loss
+from grpo_kernels.objective import RowGrad
 from grpo_kernels.ops.logits_loss import xla as X
 from grpo_kernels.ops.core.dtypes import to_bfloat16
 from grpo_kernels.ops.core.online_softmax import block_stats, sweep
@@ -121,7 +122,7 @@ def main() -> None:
            lambda x: X.row_statistics(x, ids, 1.0, rows, v), z, it)
 
     print("-- gradient kernel")
-    grad = lambda x: X.logits_gradient(x, ids, lse, g, 1.0)  # noqa: E731
+    grad = lambda x: X.logits_gradient(x, ids, lse, RowGrad(g), 1.0)  # noqa: E731
     report("gradient kernel, fresh output", grad, z, it)
     report("gradient kernel, donated input (in place)", grad, z, it, donate=True)
     report("gradient kernel, output rounded with astype (XLA convert)",

@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_kernels import GRPOLossConfig, grpo_loss
-from grpo_kernels.config import LOSS_AGG_MODES, LOSS_TYPES
+from grpo_kernels.cli.gradcheck import family_configs
+from grpo_kernels.config import CLASSIC_LOSS_TYPES, LOSS_AGG_MODES
 
 
-GRID_LEVELS = (LOSS_TYPES, ("token", "sequence"), (0.0, 0.04), (None, 2.0), (1.0, 0.7))
+GRID_LEVELS = (CLASSIC_LOSS_TYPES, ("token", "sequence"), (0.0, 0.04), (None, 2.0), (1.0, 0.7))
 
 
 def _grid_config(time: int, lt, lvl, beta, delta, temp) -> GRPOLossConfig:
@@ -70,6 +71,23 @@ def option_id(item) -> str:
         f"{f}={getattr(cfg, f)}" for f in fields
         if getattr(cfg, f) != GRPOLossConfig.__dataclass_fields__[f].default]
     return "-".join(parts) + ("-sampler" if sampler else "")
+
+
+def family_grid(time: int) -> list[GRPOLossConfig]:
+    """The 2026 family's variants at token and sequence level (gradcheck's
+    :data:`~grpo_kernels.cli.gradcheck.FAMILY_VARIANTS`), with ``beta`` where it is off."""
+    return list(family_configs(GRPOLossConfig(max_completion_length=time), time))
+
+
+_FAMILY_FIELDS = ("loss_type", "sampler_correction", "off_policy_mask_threshold",
+                  "kl_bias_correction", "entropy_coef", "top_entropy_quantile", "beta")
+
+
+def family_id(cfg: GRPOLossConfig) -> str:
+    defaults = GRPOLossConfig.__dataclass_fields__
+    parts = [f"{f}={getattr(cfg, f)}" for f in _FAMILY_FIELDS
+             if getattr(cfg, f) != defaults[f].default]
+    return "-".join([cfg.importance_sampling_level, *parts])
 
 
 def grid_id(cfg: GRPOLossConfig) -> str:

@@ -22,15 +22,46 @@ def _aggregate(per_token, mask, cfg, num_items):
         return (seq_sum / per_token.shape[-1]).sum() / rows
     if mode in ("seq-mean-token-sum", "sequence-mean-token-sum-norm"):
         return seq_sum.sum() / rows
-    if cfg.loss_type == "grpo":
+    if cfg.loss_type in ("grpo", "sapo"):
         return (seq_sum / np.maximum(mask.sum(-1), 1)).mean()
+    if cfg.loss_type == "luspo":  # TRL: every position, each row weighted by its length
+        return (per_token * mask.sum(-1, keepdims=True)).mean()
     if cfg.loss_type == "dr_grpo":
         return seq_sum.sum() / (per_token.shape[0] * cfg.max_completion_length)
     norm = max(mask.sum(), 1) if num_items is None else num_items
     return seq_sum.sum() / norm
 
 
-def oracle(logits, ids, mask, adv, cfg, old=None, ref=None, num_items=None, sampler=None):
+def _sampler_ratio(old, sampler_logps, mask, cfg):
+    """TRL's vllm_importance_sampling_ratio, as _generate_and_score_completions forms it."""
+    diff = (old - np.asarray(sampler_logps, np.float64)) * mask
+    if cfg.sampler_correction.startswith("sequence"):
+        diff = diff.sum(-1, keepdims=True)
+    ratio = np.exp(diff)
+    low = -np.inf if cfg.sampler_correction_min is None else cfg.sampler_correction_min
+    high = np.inf if cfg.sampler_correction_max is None else cfg.sampler_correction_max
+    if cfg.sampler_correction.endswith("truncate"):
+        return np.clip(ratio, low, high)
+    return np.where((ratio < low) | (ratio > high), 0.0, ratio)
+
+
+def _gamma_weights(log_ratio, mask, adv, ratio, cfg):
+    """TRL's get_gamma_weights (VESPO), written out in log space."""
+    floor = np.log(1e-8)
+    seq = (np.clip(log_ratio, -20, 20) * mask).sum(-1, keepdims=True)
+    if ratio is not None:
+        with np.errstate(divide="ignore"):
+            seq = seq + np.clip(np.log(ratio), floor, 20).sum(-1, keepdims=True)
+    log_w = np.clip(seq, floor, 20)
+    k = np.where(adv >= 0, cfg.vespo_k_pos, cfg.vespo_k_neg)
+    lam = np.maximum(np.where(adv >= 0, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg), 1e-4)
+    with np.errstate(over="ignore", invalid="ignore"):
+        phi = np.exp(lam + k * log_w - lam * np.exp(log_w))
+    return np.where(np.isfinite(phi), phi, 0.0)
+
+
+def oracle(logits, ids, mask, adv, cfg, old=None, ref=None, num_items=None, sampler=None,
+           sampler_logps=None):
     """Returns ``(loss, metrics)`` in float64. Inputs are NumPy arrays (any float dtype).
 
     The value only: at ``importance_sampling_level="sequence_token"`` the loss equals the
@@ -58,13 +89,40 @@ def oracle(logits, ids, mask, adv, cfg, old=None, ref=None, num_items=None, samp
         if cfg.sequence_log_ratio_max is not None:
             log_w = np.minimum(log_w, cfg.sequence_log_ratio_max)
     coef_1 = np.exp(log_w)
+    unclipped = coef_1
+    ratio = None if cfg.sampler_correction is None else _sampler_ratio(old, sampler_logps,
+                                                                       mask, cfg)
     coef_2 = np.clip(coef_1, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
-    if cfg.delta is not None:
-        coef_1 = np.minimum(coef_1, cfg.delta)
-    policy = -np.minimum(coef_1 * adv, coef_2 * adv)
-    if cfg.dual_clip is not None:
-        policy = np.where(adv < 0, np.minimum(policy, -cfg.dual_clip * adv), policy)
+    if cfg.loss_type == "cispo":
+        policy = -np.minimum(coef_1, cfg.epsilon_high) * adv * logp
+    elif cfg.loss_type == "sapo":
+        tau = np.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+        policy = -(4 / tau) / (1 + np.exp(-tau * (coef_1 - 1))) * adv
+    elif cfg.loss_type == "vespo":
+        policy = -_gamma_weights(diff, mask, adv, ratio, cfg) * adv * logp
+    else:
+        if cfg.delta is not None:
+            coef_1 = np.minimum(coef_1, cfg.delta)
+        policy = -np.minimum(coef_1 * adv, coef_2 * adv)
+        if cfg.dual_clip is not None:
+            policy = np.where(adv < 0, np.minimum(policy, -cfg.dual_clip * adv), policy)
     policy = np.broadcast_to(policy, logp.shape)
+    if cfg.off_policy_mask_threshold is not None:
+        behaviour = old if sampler_logps is None else np.asarray(sampler_logps, np.float64)
+        seq_kl = ((behaviour - logp) * mask).sum(-1, keepdims=True) / np.maximum(
+            mask.sum(-1, keepdims=True), 1)
+        policy = policy * ((adv >= 0) | (seq_kl <= cfg.off_policy_mask_threshold))
+    selected = np.ones_like(mask)
+    if cfg.top_entropy_quantile < 1:
+        values = entropy[mask > 0]
+        if values.size:
+            threshold = np.quantile(values, 1 - cfg.top_entropy_quantile)
+            selected = ((entropy >= threshold) & (mask > 0)).astype(np.float64)
+        else:
+            selected = np.zeros_like(mask)
+        policy = policy * selected
+    if ratio is not None and cfg.loss_type != "vespo":
+        policy = policy * ratio
     if sampler is not None:
         policy = policy * np.asarray(sampler, np.float64)
     kl = None
@@ -73,9 +131,18 @@ def oracle(logits, ids, mask, adv, cfg, old=None, ref=None, num_items=None, samp
         kl = {"k3": np.exp(d) - d - 1, "k1": -d, "k2": d * d / 2}[cfg.kl_estimator]
         if cfg.kl_clamp is not None:
             kl = np.clip(kl, -cfg.kl_clamp, cfg.kl_clamp)
+        if cfg.kl_bias_correction:
+            kl = kl * unclipped
     policy_loss = _aggregate(policy, mask, cfg, num_items)
     kl_loss = 0.0 if kl is None else _aggregate(kl, mask, cfg, num_items)
     loss = policy_loss + cfg.beta * kl_loss if cfg.beta > 0 else policy_loss
+    if cfg.entropy_coef != 0:  # TRL 1.16's entropy bonus
+        effective = mask * selected
+        if cfg.loss_type in ("cispo", "dapo", "vespo"):
+            norm = max(mask.sum(), 1) if num_items is None else num_items
+        else:
+            norm = max(effective.sum(), 1)
+        loss = loss - cfg.entropy_coef * (entropy * effective).sum() / norm
 
     n_tok = max(mask.sum(), 1)
 

@@ -6,11 +6,19 @@ import dataclasses
 import math
 from typing import Any, Literal, Mapping
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo"]
 ImportanceSamplingLevel = Literal["token", "sequence", "sequence_token"]
 KlEstimator = Literal["k3", "k1", "k2"]
 
-LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo",
+                               "luspo")
+# TRL's original four: the loss types of the gradcheck grid's loss_type x delta product.
+CLASSIC_LOSS_TYPES: tuple[str, ...] = LOSS_TYPES[:4]
+# Loss types whose per-token policy term is PPO's clipped surrogate (the clip options apply).
+CLIPPED_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# TRL's vllm_importance_sampling_mode values.
+SAMPLER_CORRECTIONS: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate",
+                                        "sequence_mask")
 IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence", "sequence_token")
 KL_ESTIMATORS: tuple[str, ...] = ("k3", "k1", "k2")
 # tunix's loss_agg_mode spellings (tunix/rl/common.py: aggregate_loss), with its meanings.
@@ -26,6 +34,16 @@ def _require(condition: bool, message: str) -> None:
 
 def _is_real(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _finite(name: str, value: Any) -> None:
+    _require(_is_real(value) and math.isfinite(value),
+             f"{name} must be a finite number, got {value!r}")
+
+
+def _optional_finite(name: str, value: Any) -> None:
+    _require(value is None or (_is_real(value) and math.isfinite(value)),
+             f"{name} must be None or a finite number, got {value!r}")
 
 
 def _optional_positive(name: str, value: Any, above: float = 0.0) -> None:
@@ -68,6 +86,27 @@ class GRPOLossConfig:
         :math:`\log\pi - \log\pi_{old}` before anything else uses it (tunix clamps at 20).
       sequence_log_ratio_max: Optional upper cap on the sequence log-ratio of the two sequence
         levels (tunix's gspo-token caps at 10); ignored at token level.
+      sapo_temperature_pos: SAPO's gate temperature for tokens with ``A > 0`` (TRL default 1.0).
+      sapo_temperature_neg: SAPO's gate temperature for ``A <= 0`` (TRL default 1.05).
+      vespo_k_pos, vespo_lambda_pos: VESPO's gamma weight :math:`\phi(w) = e^{\lambda} w^k
+        e^{-\lambda w}` for ``A >= 0`` (TRL defaults 2 and 3).
+      vespo_k_neg, vespo_lambda_neg: The same for ``A < 0`` (TRL defaults 3 and 2).
+      sampler_correction: Correction for the mismatch between the sampler's log-probs (call
+        argument ``sampler_logps``) and the old policy's: ``None`` (off), ``token_truncate``,
+        ``token_mask``, ``sequence_truncate`` or ``sequence_mask`` (TRL's
+        ``vllm_importance_sampling_mode``; see :func:`grpo_kernels.objective.sampler_ratio`).
+      sampler_correction_min: Lower bound ``C_min`` of the correction's ratio, or ``None``.
+      sampler_correction_max: Upper bound ``C_max`` (TRL default 3.0), or ``None``.
+      off_policy_mask_threshold: TRL's off-policy sequence mask: a sequence keeps its policy
+        term when ``A >= 0`` or its masked mean of ``sampler - logp`` is at most this;
+        ``None`` for off.
+      kl_bias_correction: Multiply the per-token KL by the unclipped ratio :math:`e^r` (TRL's
+        ``use_bias_correction_kl``), with its gradient.
+      entropy_coef: The loss minus ``entropy_coef`` times the mean entropy of
+        ``softmax(z / temperature)`` over the policy term's tokens (TRL's entropy bonus).
+      top_entropy_quantile: :math:`\rho \in (0, 1]`: only tokens whose entropy is at or above
+        the :math:`1 - \rho` quantile of the batch's masked tokens carry the policy term
+        (TRL); 1 keeps all.
     """
 
     loss_type: LossType = "grpo"
@@ -84,6 +123,19 @@ class GRPOLossConfig:
     dual_clip: float | None = None
     log_ratio_clamp: float | None = None
     sequence_log_ratio_max: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    sampler_correction: str | None = None
+    sampler_correction_min: float | None = None
+    sampler_correction_max: float | None = 3.0
+    off_policy_mask_threshold: float | None = None
+    kl_bias_correction: bool = False
+    entropy_coef: float = 0.0
+    top_entropy_quantile: float = 1.0
 
     def __post_init__(self) -> None:
         _require(
@@ -133,6 +185,63 @@ class GRPOLossConfig:
             self.loss_type != "dr_grpo" or self.max_completion_length is not None,
             "loss_type='dr_grpo' needs max_completion_length (an int > 0), got None",
         )
+        self._check_loss_family()
+        self._check_sampler_options()
+        self._check_entropy_options()
+
+    def _check_loss_family(self) -> None:
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            value = getattr(self, name)
+            _finite(name, value)
+            _require(value > 0, f"{name} must be > 0, got {value}")
+        for name in ("vespo_k_pos", "vespo_k_neg"):
+            value = getattr(self, name)
+            _finite(name, value)
+            _require(value >= 0, f"{name} must be >= 0, got {value}")
+        for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
+            value = getattr(self, name)
+            _finite(name, value)
+            _require(value > 0, f"{name} must be > 0, got {value}")
+        if self.loss_type not in CLIPPED_LOSS_TYPES:
+            for name in ("delta", "dual_clip"):
+                _require(getattr(self, name) is None,
+                         f"{name} applies to the clipped loss types {CLIPPED_LOSS_TYPES}; "
+                         f"set it to None for loss_type={self.loss_type!r}")
+
+    def _check_sampler_options(self) -> None:
+        mode = self.sampler_correction
+        _require(mode is None or mode in SAMPLER_CORRECTIONS,
+                 f"sampler_correction must be None or one of {SAMPLER_CORRECTIONS}, got {mode!r}")
+        for name in ("sampler_correction_min", "sampler_correction_max",
+                     "off_policy_mask_threshold"):
+            _optional_finite(name, getattr(self, name))
+        low, high = self.sampler_correction_min, self.sampler_correction_max
+        _require(low is None or high is None or low < high,
+                 f"sampler_correction_min must be < sampler_correction_max, got {low} >= {high}")
+        _require(low is None or low >= 0,
+                 f"sampler_correction_min must be None or >= 0 (a ratio), got {low}")
+        if mode is not None and mode.endswith("truncate"):
+            _require(low is not None or high is not None,
+                     f"sampler_correction={mode!r} needs sampler_correction_min or "
+                     "sampler_correction_max (a truncation needs a bound), got both None")
+        if self.loss_type == "vespo" and mode is not None:
+            _require(mode.startswith("token"),
+                     "loss_type='vespo' folds a per-token sampler correction into its weight: "
+                     "sampler_correction must be None, 'token_truncate' or 'token_mask', "
+                     f"got {mode!r}")
+        _require(isinstance(self.kl_bias_correction, bool),
+                 f"kl_bias_correction must be True or False, got {self.kl_bias_correction!r}")
+
+    def _check_entropy_options(self) -> None:
+        _finite("entropy_coef", self.entropy_coef)
+        rho = self.top_entropy_quantile
+        _require(_is_real(rho) and math.isfinite(rho) and 0 < rho <= 1,
+                 f"top_entropy_quantile must be a number in (0, 1], got {rho!r}")
+
+    @property
+    def needs_sampler_logps(self) -> bool:
+        """Whether a call must pass ``sampler_logps`` (a sampler correction is on)."""
+        return self.sampler_correction is not None
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "GRPOLossConfig":

@@ -23,7 +23,7 @@ def _model(dtype=jnp.float32):
     return Decoder(config, nnx.Rngs(3))
 
 
-def _batch(rows=4, seed=0, old=False, ref=False):
+def _batch(rows=4, seed=0, old=False, ref=False, sampler=False):
     rng = np.random.default_rng(seed)
     prompt_len = rng.integers(2, P + 1, rows)
     attention = np.zeros((rows, P + C), np.int32)
@@ -36,7 +36,8 @@ def _batch(rows=4, seed=0, old=False, ref=False):
     logps = lambda: (-rng.uniform(0.5, 5.0, (rows, C)) * mask).astype(np.float32)  # noqa: E731
     return Batch(ids=ids, attention=attention, mask=mask,
                  advantages=rng.normal(size=rows).astype(np.float32), prompt_width=P,
-                 old_logps=logps() if old else None, ref_logps=logps() if ref else None)
+                 old_logps=logps() if old else None, ref_logps=logps() if ref else None,
+                 sampler_logps=logps() if sampler else None)
 
 
 def _grads(arm, config, batch, micro, dtype=jnp.float32):
@@ -63,7 +64,11 @@ def _grads(arm, config, batch, micro, dtype=jnp.float32):
 def test_micro_batches_equal_the_full_batch(loss_type, level):
     config = GRPOLossConfig(loss_type=loss_type, importance_sampling_level=level, beta=0.04,
                             max_completion_length=C, temperature=0.8)
-    batch = _batch(old=True, ref=True)
+    assert_accumulation_is_exact(config, _batch(old=True, ref=True))
+
+
+def assert_accumulation_is_exact(config, batch):
+    """Two micro-batches of 2 rows give the loss and gradients of one batch of 4."""
     full_loss, full = _grads(("logits", "reference"), config, batch, micro=4)
     acc_loss, acc = _grads(("logits", "reference"), config, batch, micro=2)
     assert np.isfinite(full_loss) and full_loss != 0
@@ -72,13 +77,40 @@ def test_micro_batches_equal_the_full_batch(loss_type, level):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7)
 
 
+# luspo scales by rows, cispo by num_items (sapo and vespo share those: test_micro_scale_weights)
+@pytest.mark.parametrize("loss_type", ["luspo", "cispo"])
+def test_micro_batches_equal_the_full_batch_for_the_new_loss_types(loss_type):
+    """micro_scale weighs sapo and luspo by rows, cispo and vespo by num_items; the sampler
+    log-probs of each micro-batch reach its loss (a token-level correction)."""
+    config = GRPOLossConfig(loss_type=loss_type, beta=0.04, max_completion_length=C,
+                            sampler_correction="token_truncate", sampler_correction_max=1.5)
+    batch = _batch(old=True, ref=True, sampler=True)
+    assert_accumulation_is_exact(config, batch)
+    without = dataclasses.replace(batch, sampler_logps=None)
+    with pytest.raises(ValueError, match="sampler_logps"):
+        _grads(("logits", "reference"), config, without, micro=4)
+
+
+@pytest.mark.parametrize("arm", [("fused", "xla"), ("fused", "pallas")],
+                         ids=lambda a: "-".join(a))
+def test_entropy_terms_agree_with_the_reference(arm):
+    """The entropy bonus and quantile through the decoder: the fused head's entropy gradient
+    reaches the model's parameters as the reference's does."""
+    config = GRPOLossConfig(beta=0.04, entropy_coef=0.05, top_entropy_quantile=0.5)
+    assert_close_to_reference(arm, config, _batch(rows=4, seed=2, old=True, ref=True), micro=4)
+
+
 @pytest.mark.parametrize("arm", [("logits", "xla"), ("fused", "xla"), ("fused", "pallas")],
                          ids=lambda a: "-".join(a))
 def test_impls_agree_with_the_reference(arm):
     config = GRPOLossConfig(beta=0.04, epsilon_high=0.28)
-    batch = _batch(rows=4, seed=1, old=True, ref=True)
-    ref_loss, ref = _grads(("logits", "reference"), config, batch, micro=2)
-    loss, got = _grads(arm, config, batch, micro=2)
+    assert_close_to_reference(arm, config, _batch(rows=4, seed=1, old=True, ref=True), micro=2)
+
+
+def assert_close_to_reference(arm, config, batch, micro):
+    """The arm's loss and parameter gradients against the logits-level reference's."""
+    ref_loss, ref = _grads(("logits", "reference"), config, batch, micro=micro)
+    loss, got = _grads(arm, config, batch, micro=micro)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         scale = float(np.abs(np.asarray(b)).max())
@@ -110,3 +142,5 @@ def test_micro_scale_weights():
     assert micro_scale(dataclasses.replace(g, loss_type="bnpo"), 2, 10, 8, 40) == 0.25
     assert micro_scale(dataclasses.replace(g, loss_type="bnpo"), 2, 0, 8, 0) == 0.0
     assert micro_scale(dataclasses.replace(g, loss_type="dapo"), 2, 10, 8, 40) == 1.0
+    for loss_type, want in (("sapo", 0.25), ("luspo", 0.25), ("cispo", 1.0), ("vespo", 1.0)):
+        assert micro_scale(dataclasses.replace(g, loss_type=loss_type), 2, 10, 8, 40) == want

@@ -83,7 +83,9 @@ def place(inp, sharded):
         ids=mesh_flags.put(mesh, inp.ids, rows), mask=mesh_flags.put(mesh, inp.mask, rows),
         advantages=mesh_flags.put(mesh, inp.advantages, spec.rows(1)),
         old_logps=mesh_flags.put(mesh, inp.old_logps, rows),
-        ref_logps=mesh_flags.put(mesh, inp.ref_logps, rows))
+        ref_logps=mesh_flags.put(mesh, inp.ref_logps, rows),
+        sampler_logps=None if inp.sampler_logps is None
+        else mesh_flags.put(mesh, inp.sampler_logps, rows))
 
 
 def temp_bytes(step, *args) -> int | None:

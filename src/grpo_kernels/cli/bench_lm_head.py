@@ -135,8 +135,7 @@ def run(args: argparse.Namespace) -> int:
 
         def loss(h, w):
             return op(h, w, inp.ids, inp.mask, inp.advantages, config=config, impl=impl,
-                      lm_head_layout=args.layout, old_logps=inp.old_logps,
-                      ref_logps=inp.ref_logps, **kw)
+                      lm_head_layout=args.layout, **inp.kwargs(), **kw)
 
         return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
 

@@ -10,7 +10,13 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from grpo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GRPOLossConfig
+from grpo_kernels.config import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    KL_ESTIMATORS,
+    LOSS_TYPES,
+    SAMPLER_CORRECTIONS,
+    GRPOLossConfig,
+)
 from grpo_kernels.ops.core.dtypes import DTYPE_CHOICES, dtype_name
 
 WANDB_MODES = ("disabled", "offline", "online")
@@ -58,6 +64,26 @@ def add_loss_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float)
     g.add_argument("--importance-sampling-level", choices=IMPORTANCE_SAMPLING_LEVELS)
     g.add_argument("--max-completion-length", type=int)
+    g.add_argument("--kl-estimator", choices=KL_ESTIMATORS)
+    g.add_argument("--kl-bias-correction", action="store_const", const=True, default=None,
+                   help="multiply the KL by the unclipped ratio (TRL's use_bias_correction_kl)")
+    g.add_argument("--sapo-temperature-pos", type=float, help="SAPO gate temperature, A > 0")
+    g.add_argument("--sapo-temperature-neg", type=float, help="SAPO gate temperature, A <= 0")
+    for sign in ("pos", "neg"):
+        g.add_argument(f"--vespo-k-{sign}", type=float, help=f"VESPO's k for A {sign}")
+        g.add_argument(f"--vespo-lambda-{sign}", type=float, help=f"VESPO's lambda for A {sign}")
+    g.add_argument("--sampler-correction", choices=SAMPLER_CORRECTIONS,
+                   help="correct for the sampler's log-probs (TRL's "
+                   "vllm_importance_sampling_mode; random sampler log-probs in gradcheck/bench)")
+    g.add_argument("--sampler-correction-min", type=float, help="C_min of the correction")
+    g.add_argument("--sampler-correction-max", type=float, help="C_max (default 3)")
+    g.add_argument("--off-policy-mask-threshold", type=float,
+                   help="drop the policy term of sequences with A < 0 and mean "
+                   "(sampler - logp) above this")
+    g.add_argument("--entropy-coef", type=float,
+                   help="loss minus this times the mean token entropy (default 0)")
+    g.add_argument("--top-entropy-quantile", type=float,
+                   help="rho in (0, 1]: only the top-rho tokens by entropy carry the policy term")
 
 
 def loss_config_from(base: Mapping[str, Any], args: argparse.Namespace) -> GRPOLossConfig:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_kernels.cli import common
-from grpo_kernels.config import LOSS_TYPES, GRPOLossConfig
+from grpo_kernels.config import CLASSIC_LOSS_TYPES, GRPOLossConfig
 from grpo_kernels.ops.logits_loss import IMPLEMENTATIONS, grpo_loss
 from grpo_kernels.ops.core.dtypes import parse_dtype
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
@@ -114,15 +114,47 @@ def check_one(impl: str, config: GRPOLossConfig, settings: GradcheckSettings,
     return record
 
 
+# The 2026 family and the options that came with it, each run at token and sequence level.
+# With gradcheck's noise (0.1) every cap, mask and truncation here acts on some tokens.
+FAMILY_VARIANTS: tuple[dict[str, Any], ...] = (
+    {"loss_type": "cispo", "epsilon_high": 1.05},
+    {"loss_type": "sapo"},
+    {"loss_type": "vespo", "sampler_correction": "token_truncate",
+     "sampler_correction_max": 1.05},
+    {"loss_type": "luspo", "beta": 0.04},
+    {"sampler_correction": "token_mask", "sampler_correction_min": 0.95,
+     "sampler_correction_max": 1.05},
+    {"sampler_correction": "sequence_truncate", "sampler_correction_max": 1.1},
+    {"off_policy_mask_threshold": 0.0},
+    {"beta": 0.04, "kl_bias_correction": True, "kl_estimator": "k2"},
+    {"entropy_coef": 0.05},
+    {"entropy_coef": 0.05, "top_entropy_quantile": 0.2},
+    {"loss_type": "dapo", "entropy_coef": 0.02, "top_entropy_quantile": 0.5,
+     "sampler_correction": "sequence_mask", "sampler_correction_min": 0.5,
+     "sampler_correction_max": 2.0, "off_policy_mask_threshold": 0.01, "beta": 0.04,
+     "kl_bias_correction": True, "temperature": 0.7},
+)
+
+
+def family_configs(base: GRPOLossConfig, time: int):
+    """:data:`FAMILY_VARIANTS` x level (token, sequence) on top of ``base``."""
+    for variant, level in itertools.product(FAMILY_VARIANTS, ("token", "sequence")):
+        yield dataclasses.replace(
+            base, **{"importance_sampling_level": level, "delta": None, "dual_clip": None,
+                     "max_completion_length": base.max_completion_length or time, **variant})
+
+
 def grid_configs(base: GRPOLossConfig, time: int):
-    """The issue's grid: loss_type x level x beta x delta x temperature (f32 and bf16 by caller)."""
+    """The issue's grid: TRL's classic loss_type x level x beta x delta x temperature, then
+    the family's variants (f32 and bf16 by caller)."""
     for loss_type, level, beta, delta, temp in itertools.product(
-        LOSS_TYPES, ("token", "sequence"), (0.0, 0.04), (None, 2.0), (1.0, 0.7)
+        CLASSIC_LOSS_TYPES, ("token", "sequence"), (0.0, 0.04), (None, 2.0), (1.0, 0.7)
     ):
         yield dataclasses.replace(
             base, loss_type=loss_type, importance_sampling_level=level, beta=beta, delta=delta,
             temperature=temp, max_completion_length=base.max_completion_length or time,
         )
+    yield from family_configs(base, time)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -142,8 +174,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--noise", type=float, help="std of old/ref logp noise (default 0.1)")
     p.add_argument("--grid", action="store_true",
-                   help="run every loss_type x level x beta{0,0.04} x delta{None,2} x "
-                   "temperature{1,0.7}, in float32 and bfloat16")
+                   help="run TRL's classic loss_type x level x beta{0,0.04} x delta{None,2} x "
+                   "temperature{1,0.7}, then each of the CISPO/SAPO/VESPO/LUSPO, sampler "
+                   "correction, off-policy mask, KL bias correction and entropy variants at "
+                   "both levels; in float32 and bfloat16")
     p.add_argument("--json", action="store_true", help="one JSON object per check, nothing else")
     common.add_loss_flags(p)
     common.add_wandb_flags(p)
@@ -185,6 +219,17 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r["passed"] for r in records) else 1
 
 
+_SHOWN = ("loss_type", "importance_sampling_level", "beta", "delta", "temperature",
+          "max_completion_length")
+
+
+def _options(record: dict[str, Any]) -> str:
+    """The record's loss options that the table's columns do not show, where not default."""
+    defaults = GRPOLossConfig()
+    return " ".join(f"{f.name}={record[f.name]}" for f in dataclasses.fields(GRPOLossConfig)
+                    if f.name not in _SHOWN and record[f.name] != getattr(defaults, f.name))
+
+
 def _print_human(records: list[dict[str, Any]]) -> None:
     if len(records) == 1:
         r = records[0]
@@ -192,6 +237,7 @@ def _print_human(records: list[dict[str, Any]]) -> None:
                   "beta", "delta", "temperature", "loss_ref", "loss_kernel", "abs_diff_loss",
                   "max_abs_diff_dlogits", "max_rel_diff_dlogits"):
             print(f"{k:28s} {r[k]}")
+        print(f"{'options':28s} {_options(r) or '(defaults)'}")
         for k in ("finite", "loss_abs", "dlogits_abs", "dlogits_rel"):
             tol = {"loss_abs": f"<= {r['tol_loss_atol']} + {r['tol_loss_rtol']}*|loss_ref|",
                    "dlogits_abs": f"<= {r['tol_dlogits_atol']}",
@@ -199,7 +245,8 @@ def _print_human(records: list[dict[str, Any]]) -> None:
             print(f"gate {k:23s} {r['gate_' + k]}  {tol}")
     else:
         cols = ["dtype", "loss_type", "importance_sampling_level", "beta", "delta", "temperature",
-                "abs_diff_loss", "max_abs_diff_dlogits", "max_rel_diff_dlogits", "passed"]
-        print(common.fmt_table(records, cols))
+                "options", "abs_diff_loss", "max_abs_diff_dlogits", "max_rel_diff_dlogits",
+                "passed"]
+        print(common.fmt_table([{**r, "options": _options(r)} for r in records], cols))
     n_pass = sum(r["passed"] for r in records)
     print(f"gradcheck: {n_pass}/{len(records)} checks passed")

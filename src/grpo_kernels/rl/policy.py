@@ -14,8 +14,12 @@ its implementation (``auto``, ``reference``, ``xla`` or ``pallas``):
 
 Gradient accumulation keeps TRL's loss exact for the whole batch of ``B`` rows and ``K`` real
 completion tokens: a micro-batch of ``M`` rows and ``k`` tokens contributes its loss times
-``M / B`` (``grpo``, ``dr_grpo``: per-row means), ``k / K`` (``bnpo``: a token mean), or ``1`` with
-``num_items_in_batch = K`` (``dapo``), so the summed gradients equal the full batch's.
+``M / B`` (``grpo``, ``sapo``, ``dr_grpo``, ``luspo``: per-row normalisers), ``k / K`` (``bnpo``: a
+token mean), or ``1`` with ``num_items_in_batch = K`` (``dapo``, ``cispo``, ``vespo``), so the
+summed gradients equal the full batch's. Two options look at a micro-batch only, as in TRL's
+gradient accumulation: the entropy bonus's token mean (exact for ``bnpo`` and the
+``num_items`` types; a mean of micro-batch means otherwise) and ``top_entropy_quantile``'s
+quantile (over the micro-batch's tokens).
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ class Batch:
       advantages: ``[N]``.
       prompt_width: ``P``.
       old_logps, ref_logps: ``[N, C]`` or None.
+      sampler_logps: ``[N, C]`` the sampler's log-probs of the completion tokens, or None
+        (handed to the loss when its options read them: ``sampler_correction``, the
+        off-policy mask).
     """
 
     ids: np.ndarray
@@ -56,6 +63,7 @@ class Batch:
     prompt_width: int
     old_logps: np.ndarray | None = None
     ref_logps: np.ndarray | None = None
+    sampler_logps: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
@@ -64,20 +72,22 @@ class Batch:
     def micro(self, start: int, size: int) -> dict[str, Any]:
         """Rows ``start .. start+size-1`` as a dict of arrays (None kept for absent inputs)."""
         sl = slice(start, start + size)
-        return {"ids": self.ids[sl], "attention": self.attention[sl], "mask": self.mask[sl],
-                "advantages": self.advantages[sl],
-                "old_logps": None if self.old_logps is None else self.old_logps[sl],
-                "ref_logps": None if self.ref_logps is None else self.ref_logps[sl]}
+        out = {"ids": self.ids[sl], "attention": self.attention[sl], "mask": self.mask[sl],
+               "advantages": self.advantages[sl]}
+        for name in ("old_logps", "ref_logps", "sampler_logps"):
+            value = getattr(self, name)
+            out[name] = None if value is None else value[sl]
+        return out
 
 
 def micro_scale(config: GRPOLossConfig, rows: int, tokens: int, total_rows: int,
                 total_tokens: int) -> float:
     """Weight of a micro-batch's loss in the whole batch's loss (see the module docstring)."""
-    if config.loss_type in ("grpo", "dr_grpo"):
+    if config.loss_type in ("grpo", "dr_grpo", "sapo", "luspo"):
         return rows / total_rows
     if config.loss_type == "bnpo":
         return tokens / max(total_tokens, 1)
-    return 1.0  # dapo: normalised by num_items_in_batch, the whole batch's token count
+    return 1.0  # dapo, cispo, vespo: normalised by num_items_in_batch, the batch's token count
 
 
 def completion_hidden(model: Any, ids: Array, attention: Array, prompt_width: int) -> Array:
@@ -93,7 +103,7 @@ def loss_on(model: Any, mb: dict[str, Any], *, head: str, impl: str, config: GRP
     hidden = completion_hidden(model, mb["ids"], mb["attention"], prompt_width)
     targets = mb["ids"][:, prompt_width:]
     extra = dict(config=config, old_logps=mb["old_logps"], ref_logps=mb["ref_logps"],
-                 num_items_in_batch=num_items)
+                 sampler_logps=mb.get("sampler_logps"), num_items_in_batch=num_items)
     if mesh is not None:
         from grpo_kernels.sharding import sharded_grpo_loss, sharded_grpo_loss_from_hidden
 
@@ -127,11 +137,13 @@ def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig
 
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
 
-    no_kl = dataclasses.replace(config, beta=0.0)
+    # The log-prob program needs none of the options that read other inputs.
+    no_kl = dataclasses.replace(config, beta=0.0, sampler_correction=None,
+                                off_policy_mask_threshold=None)
 
     def logp_fn(state, mb):
         model = nnx.merge(graphdef, state)
-        mb = {**mb, "old_logps": None, "ref_logps": None}
+        mb = {**mb, "old_logps": None, "ref_logps": None, "sampler_logps": None}
         _, metrics = loss_on(model, mb, head=head, impl=impl, config=no_kl,
                              prompt_width=prompt_width, mesh=mesh, sharding=sharding)
         return jax.lax.stop_gradient(metrics["logp"])

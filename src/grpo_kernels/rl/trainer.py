@@ -26,6 +26,7 @@ from flax import nnx
 from grpo_kernels.models.decoder import Decoder
 from grpo_kernels.models.loading import load_policy as _load_policy
 from grpo_kernels.models.sampling import generate
+from grpo_kernels.ops.core.inputs import wants_sampler_logps
 from grpo_kernels.rl import data as data_lib
 from grpo_kernels.rl import rewards as rewards_lib
 from grpo_kernels.rl.checkpoint import Checkpoints
@@ -202,7 +203,9 @@ class Trainer:
         batch = Batch(ids=np.concatenate([gen.prompt_ids, gen.ids], axis=1),
                       attention=np.concatenate([gen.prompt_mask, gen.mask], axis=1),
                       mask=gen.mask, advantages=advantages,
-                      prompt_width=int(gen.prompt_ids.shape[1]))
+                      prompt_width=int(gen.prompt_ids.shape[1]),
+                      sampler_logps=gen.logps if wants_sampler_logps(self.loss_config)
+                      else None)
         lengths = gen.mask.sum(axis=1)
         ended = np.isin(gen.ids, self.tokenizer.eos_ids).any(axis=1)
         metrics = {"reward/mean": float(reward.mean()), "reward/std": float(reward.std()),

@@ -48,7 +48,7 @@ from grpo_kernels.sharding.vocab import (
 Array = jax.Array
 Primals = tuple  # (logits,) or (hidden, lm_head, bias)
 # stats(primals, ids [B, T]) -> (logp, lse, entropy) [B, T] over the local columns;
-# grad(primals, hit_ids, lse, g) -> cotangents of the primals (same structure).
+# grad(primals, hit_ids, lse, row: RowGrad) -> cotangents of the primals (same structure).
 Pieces = tuple[Callable[[Primals, Array], tuple[Array, Array, Array]],
                Callable[[Primals, Array, Array, Array], Primals]]
 
@@ -129,8 +129,13 @@ def _shard_loss(primals: Primals, batch: TokenBatch, *, op: OpKind, config: GRPO
         stats, grad = op.pieces(primals, impl, options, tau, spec, vocab)
         primals = op.vary(primals, impl, spec)
         logp_k, lse_k, ent_k = stats(jax.tree.map(jax.lax.stop_gradient, primals), stat_ids)
-        part, lse, ent = combine(logp_k, lse_k, ent_k, owned, spec)
-        logp = spec.vocab_sum(with_softmax_gradient(grad, primals, part, lse, hit_ids))
+        part, ent_part, lse, ent = combine(logp_k, lse_k, ent_k, owned, spec)
+        with_entropy = config.entropy_coef != 0
+        part, ent_part = with_softmax_gradient(grad, with_entropy, primals, part, ent_part, lse,
+                                               ent, hit_ids)
+        logp = spec.vocab_sum(part)
+        if with_entropy:
+            ent = spec.vocab_sum(ent_part)
     return loss_and_metrics(logp, ent, batch, config, spec)
 
 
@@ -150,7 +155,8 @@ def _run(op: OpKind, primals: Primals, primal_specs: tuple, batch: TokenBatch, *
         old_logps=None if batch.old_logps is None else rows2,
         ref_logps=None if batch.ref_logps is None else rows2,
         num_items=None if batch.num_items is None else scalar,
-        sampler_weights=None if batch.sampler_weights is None else rows2)
+        sampler_weights=None if batch.sampler_weights is None else rows2,
+        sampler_logps=None if batch.sampler_logps is None else rows2)
     metric_specs = {"logp": rows2, "token_entropy": rows2, **{k: scalar for k in (
         "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "kl", "entropy",
         "policy_loss", "kl_loss")}}
@@ -165,7 +171,8 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
                       mesh: Mesh, sharding: ShardingSpec, config: GRPOLossConfig,
                       old_logps: Array | None = None, ref_logps: Array | None = None,
                       num_items_in_batch: Array | float | None = None,
-                      sampler_weights: Array | None = None, impl: str = "auto",
+                      sampler_weights: Array | None = None,
+                      sampler_logps: Array | None = None, impl: str = "auto",
                       check_ids: bool = False,
                       options: Any = None) -> tuple[Array, dict[str, Array]]:
     r""":func:`grpo_kernels.grpo_loss` with ``B`` split over ``sharding.batch_axes`` and ``V``
@@ -181,7 +188,8 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
 
     Args:
       logits, ids, mask, advantages, config, old_logps, ref_logps, num_items_in_batch,
-        sampler_weights, impl, check_ids, options: as :func:`grpo_kernels.grpo_loss`;
+        sampler_weights, sampler_logps, impl, check_ids, options: as
+        :func:`grpo_kernels.grpo_loss`;
         ``options`` applies to each device's block.
       mesh: The device mesh.
       sharding: Which mesh axes split ``B`` and ``V``.
@@ -191,14 +199,14 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
         not divisible by their axes (nothing is padded).
     """
     validate_token_inputs(logits, ids, mask, advantages, config, old_logps, ref_logps,
-                          sampler_weights)
+                          sampler_weights, sampler_logps)
     b, _, vocab = logits.shape
     spec = resolve(sharding, mesh, b, vocab, "logits")
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
     if check_ids:
         check_ids_in_range(ids, mask, vocab)
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
-                          sampler_weights)
+                          sampler_weights, sampler_logps)
     return _run(LOGITS, (logits,), (spec.logits(),), batch, mesh=mesh, spec=spec,
                 config=config, impl=impl, options=options, vocab=vocab,
                 default_options=logits_pallas.PallasOptions())
@@ -210,6 +218,7 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
                                   ref_logps: Array | None = None,
                                   num_items_in_batch: Array | float | None = None,
                                   sampler_weights: Array | None = None,
+                                  sampler_logps: Array | None = None,
                                   impl: str = "auto", lm_head_layout: str = "hv",
                                   bias: Array | None = None, logits_dtype: Any = None,
                                   check_ids: bool = False,
@@ -226,7 +235,8 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
 
     Args:
       hidden, lm_head, ids, mask, advantages, config, old_logps, ref_logps,
-        num_items_in_batch, sampler_weights, impl, lm_head_layout, bias, logits_dtype,
+        num_items_in_batch, sampler_weights, sampler_logps, impl, lm_head_layout, bias,
+        logits_dtype,
         check_ids, options:
         as :func:`grpo_kernels.grpo_loss_from_hidden`.
       mesh: The device mesh.
@@ -238,14 +248,14 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
     """
     fmt = head_api.validate_call(hidden, lm_head, ids, mask, advantages, config, old_logps,
                                  ref_logps, lm_head_layout, bias, logits_dtype,
-                                 sampler_weights)
+                                 sampler_weights, sampler_logps)
     vocab = fmt.vocab(lm_head)
     spec = resolve(sharding, mesh, hidden.shape[0], vocab, "hidden/lm_head")
     impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
     if check_ids:
         check_ids_in_range(ids, mask, vocab)
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
-                          sampler_weights)
+                          sampler_weights, sampler_logps)
     primal_specs = (spec.rows(3), spec.head(fmt.layout), None if bias is None else spec.vector())
     return _run(_head_kind(fmt), (hidden, lm_head, bias), primal_specs, batch, mesh=mesh,
                 spec=spec, config=config, impl=impl, options=options, vocab=vocab,

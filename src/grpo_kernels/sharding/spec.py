@@ -133,6 +133,13 @@ class ShardingSpec:
             return x
         return jax.lax.psum(x, self.batch_axes)
 
+    def batch_gather(self, x: Array) -> Array:
+        """This device's rows (axis 0) -> the whole batch's, in device order (the identity
+        without batch axes)."""
+        if not self.batch_axes:
+            return x
+        return jax.lax.all_gather(x, self.batch_axes, axis=0, tiled=True)
+
     def vocab_sum(self, x: Array) -> Array:
         return x if self.vocab_axis is None else jax.lax.psum(x, self.vocab_axis)
 

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.objective import RowGrad
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.vjp import zero_cotangent
 from grpo_kernels.sharding.spec import ShardingSpec
@@ -64,23 +65,25 @@ def split_ids(ids: Array, vocab: int, vocab_local: int,
 
 
 def combine(logp_k: Array, lse_k: Array, ent_k: Array, owned: Array,
-            spec: ShardingSpec) -> tuple[Array, Array, Array]:
-    r"""``(part, lse, entropy)`` from each shard's statistics (see the module docstring).
+            spec: ShardingSpec) -> tuple[Array, Array, Array, Array]:
+    r"""``(part, ent_part, lse, entropy)`` from each shard's statistics (see the module
+    docstring).
 
     ``lse`` and the entropy are whole-row values; ``part`` is this shard's share of
-    :math:`\log\pi(y)` (the owner's term, zero elsewhere): ``vocab_sum(part)`` is the log-prob.
-    It is left unsummed so that its gradient can be attached per shard
+    :math:`\log\pi(y)` (the owner's term, zero elsewhere): ``vocab_sum(part)`` is the log-prob;
+    ``ent_part`` likewise of the entropy (:math:`w_k (H_k + \mathrm{lse} - \mathrm{lse}_k)`).
+    They are left unsummed so that their gradients can be attached per shard
     (:func:`with_softmax_gradient`) before the sum, whose transpose JAX then handles.
     """
     if spec.vocab_axis is None:
-        return logp_k, lse_k, ent_k
+        return logp_k, ent_k, lse_k, ent_k
     m = spec.vocab_max(lse_k)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     lse = m + jnp.log(spec.vocab_sum(jnp.exp(lse_k - m)))
     part = jnp.where(owned, logp_k + (lse_k - lse), 0.0)
     w = jnp.exp(lse_k - lse)
-    ent = spec.vocab_sum(jnp.where(w > 0, w * (ent_k + (lse - lse_k)), 0.0))
-    return part, lse, ent
+    ent_part = jnp.where(w > 0, w * (ent_k + (lse - lse_k)), 0.0)
+    return part, ent_part, lse, spec.vocab_sum(ent_part)
 
 
 def reference_statistics(z: Array, hit_ids: Array, temperature: float,
@@ -97,41 +100,48 @@ def reference_statistics(z: Array, hit_ids: Array, temperature: float,
     lse = m + jnp.log(total)
     hit = jax.lax.broadcasted_iota(jnp.int32, s.shape, s.ndim - 1) == hit_ids[..., None]
     chosen = spec.vocab_sum(jnp.sum(jnp.where(hit, s, 0.0), axis=-1))
-    p = _sg(e / total[..., None])
-    shifted = _sg(s - lse[..., None])
-    ent = -spec.vocab_sum(jnp.sum(jnp.where(p > 0, p * shifted, 0.0), axis=-1))
+    p = e / total[..., None]
+    # Differentiable (the entropy bonus needs its gradient); where p = 0 the log is replaced
+    # by 0 before the product, so no 0 * inf enters the backward.
+    shifted = jnp.where(_sg(p) > 0, s - lse[..., None], 0.0)
+    ent = -spec.vocab_sum(jnp.sum(p * shifted, axis=-1))
     return chosen - lse, ent
 
 
-GradFn = Callable[[Any, Array, Array, Array], Any]
+GradFn = Callable[[Any, Array, Array, RowGrad], Any]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def with_softmax_gradient(grad_fn: GradFn, primals: Any, logp: Array, lse: Array,
-                          hit_ids: Array) -> Array:
-    r"""This shard's ``part`` of the log-prob (from :func:`combine`, computed without
-    gradient), given the softmax gradient w.r.t. this shard's ``primals``.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def with_softmax_gradient(grad_fn: GradFn, with_entropy: bool, primals: Any, logp: Array,
+                          ent: Array, lse: Array, entropy: Array,
+                          hit_ids: Array) -> tuple[Array, Array]:
+    r"""This shard's ``parts`` of the log-prob and of the entropy (from :func:`combine`,
+    computed without gradient), given the softmax gradient w.r.t. this shard's ``primals``.
 
-    The backward calls ``grad_fn(primals, hit_ids, lse, g)`` with :math:`g = \bar{\log\pi}`
-    (``[B, T]``) and returns its cotangents for ``primals``: the implementation's kernel for
-    :math:`(g/\tau)(\mathbb{1}[v=y] - e^{s - \mathrm{lse}})` on the local columns, pulled
-    back to the inputs (logits, or hidden states and head). Since the part of shard ``j``
-    depends on the columns of shard ``j`` only here, the sum over shards has exactly the true
-    derivative.
+    The backward calls ``grad_fn(primals, hit_ids, lse, RowGrad(g, h, entropy))`` with
+    :math:`g = \bar{\log\pi}` and :math:`h = \bar H` (``[B, T]``; ``h`` only
+    ``with_entropy``, the whole-row ``entropy`` beside it) and returns its cotangents for
+    ``primals``: the implementation's kernel for :math:`\partial L/\partial z` on the local
+    columns (:func:`grpo_kernels.ops.core.online_softmax.softmax_grad`), pulled back to the
+    inputs (logits, or hidden states and head). Since the parts of shard ``j`` depend on the
+    columns of shard ``j`` only here, the sum over shards has exactly the true derivative.
     """
-    del grad_fn, primals, lse, hit_ids
-    return logp
+    del grad_fn, with_entropy, primals, lse, entropy, hit_ids
+    return logp, ent
 
 
-def _fwd(grad_fn, primals, logp, lse, hit_ids):
-    del grad_fn
-    return logp, (primals, logp, lse, hit_ids)
+def _fwd(grad_fn, with_entropy, primals, logp, ent, lse, entropy, hit_ids):
+    del grad_fn, with_entropy
+    return (logp, ent), (primals, logp, ent, lse, entropy, hit_ids)
 
 
-def _bwd(grad_fn, res, g):
-    primals, logp, lse, hit_ids = res
-    return (grad_fn(primals, hit_ids, lse, g.astype(_F32)), zero_cotangent(logp),
-            zero_cotangent(lse), zero_cotangent(hit_ids))
+def _bwd(grad_fn, with_entropy, res, cts):
+    primals, logp, ent, lse, entropy, hit_ids = res
+    g, h = cts
+    row = (RowGrad(g.astype(_F32), h.astype(_F32), entropy) if with_entropy
+           else RowGrad(g.astype(_F32)))
+    return (grad_fn(primals, hit_ids, lse, row), zero_cotangent(logp), zero_cotangent(ent),
+            zero_cotangent(lse), zero_cotangent(entropy), zero_cotangent(hit_ids))
 
 
 with_softmax_gradient.defvjp(_fwd, _bwd)
@@ -141,5 +151,5 @@ def loss_and_metrics(logp: Array, entropy: Array, batch: TokenBatch, config: GRP
                      spec: ShardingSpec) -> tuple[Array, dict[str, Array]]:
     """The GRPO objective and metrics on this device's rows, normalised over the whole batch."""
     loss, metrics, _ = batch.loss(logp, entropy, config, with_grad=False,
-                                  batch_sum=spec.batch_sum)
+                                  batch_sum=spec.batch_sum, batch_gather=spec.batch_gather)
     return loss, metrics

@@ -9,12 +9,13 @@ import pytest
 from grpo_kernels import (GRPOLossConfig, LmHeadBlockSizes, LmHeadPallasBlockSizes,
                           LmHeadPallasOptions,
                           grpo_loss_from_hidden)
-from grpo_kernels.config import LOSS_TYPES
+from grpo_kernels.config import CLASSIC_LOSS_TYPES
 from grpo_kernels.ops.lm_head_loss import pallas_tpu
 from grpo_kernels.ops.lm_head_loss import xla_sweep
 from grpo_kernels.ops.lm_head_loss.head import delta_dtype
 from grpo_kernels.ops.lm_head_loss.xla import plan_chunk, plan_vocab_block
-from tests.helpers import as64, cached_reference, option_grid, option_id, rel_err
+from tests.helpers import (as64, cached_reference, family_grid, family_id, option_grid,
+                           option_id, rel_err)
 from tests.oracle import oracle
 
 B, T, H, V = 2, 13, 256, 1000
@@ -91,7 +92,7 @@ def test_reference_matches_float64_oracle():
 
 CONFIGS = [GRPOLossConfig(loss_type=lt, importance_sampling_level=lvl, beta=0.04, delta=2.0,
                           temperature=0.7, max_completion_length=T)
-           for lt in LOSS_TYPES for lvl in ("token", "sequence")]
+           for lt in CLASSIC_LOSS_TYPES for lvl in ("token", "sequence")]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.loss_type}-{c.importance_sampling_level}")
@@ -120,6 +121,33 @@ def test_options_match_reference(impl, index):
         extra = {**extra, "sampler_weights": jax.random.uniform(
             jax.random.PRNGKey(13), mask.shape, jnp.float32, 0.2, 2.0)}
     assert_close(impl, (hidden, w, ids, mask, adv, extra, None), cfg)
+
+
+FAMILY = family_grid(T)
+# The head sees the family as one pass (token-separable configs) or two, with or without the
+# entropy term: xla runs the token-level variants (both paths) and the entropy ones at both
+# levels with dW by tokens, the entropy ones by vocabulary blocks too; the interpreted Pallas
+# kernel the entropy variants (its one new term) at token level.
+FAMILY_RUNS = ([("xla", "tokens", i) for i, c in enumerate(FAMILY)
+                if c.importance_sampling_level == "token" or c.entropy_coef != 0]
+               + [(impl, dweight, i) for i, c in enumerate(FAMILY) if c.entropy_coef != 0
+                  for impl, dweight in (("xla", "vocab"), ("pallas", None))
+                  if impl == "xla" or c.importance_sampling_level == "token"])
+
+
+@pytest.mark.parametrize("impl,dweight,index", FAMILY_RUNS,
+                         ids=[f"{impl}-{d}-{family_id(FAMILY[i])}" for impl, d, i in FAMILY_RUNS])
+def test_family_matches_reference(impl, dweight, index):
+    """The 2026 family through the fused head: one pass where the config is token-separable
+    (the entropy bonus's h known from the mask), two where it is not (VESPO, the masks, the
+    sequence-level correction, the entropy quantile)."""
+    cfg = FAMILY[index]
+    hidden, w, ids, mask, adv, extra, _ = make_inputs(14)
+    extra = {**extra, "sampler_logps": extra["old_logps"] + 0.3 * jax.random.normal(
+        jax.random.PRNGKey(15), mask.shape)}
+    kw = {} if impl == "pallas" else {"options": LmHeadBlockSizes(chunk_tokens=8,
+                                                                  dweight=dweight)}
+    assert_close(impl, (hidden, w, ids, mask, adv, extra, None), cfg, **kw)
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
@@ -366,6 +394,9 @@ def test_plan_chunk():
     (dict(impl="triton"), "impl must be one of"),
     (dict(ids_shape=(B, T + 1)), r"ids must have shape \[B, T\]"),
     (dict(options=LmHeadPallasOptions()), "options must be LmHeadBlockSizes"),
+    (dict(config=GRPOLossConfig(sampler_correction="sequence_mask")),
+     r"sampler_logps \[B, T\] .* is required when config.sampler_correction"),
+    (dict(sampler_logps=jnp.ones((B, T, 1))), r"sampler_logps must have shape \[B, T\]"),
 ])
 def test_bad_input_names_the_argument(kwargs, match):
     kwargs = dict(kwargs)
@@ -376,9 +407,10 @@ def test_bad_input_names_the_argument(kwargs, match):
     bias = None if bias_shape is None else jnp.ones(bias_shape)
     ids = jnp.zeros(kwargs.pop("ids_shape", (B, T)), jnp.int32)
     kwargs.setdefault("impl", "xla")
+    config = kwargs.pop("config", GRPOLossConfig())
     with pytest.raises(ValueError, match=match):
         grpo_loss_from_hidden(hidden, w, ids, jnp.ones((B, T)), jnp.ones((B,)),
-                              config=GRPOLossConfig(), bias=bias, **kwargs)
+                              config=config, bias=bias, **kwargs)
 
 
 def test_block_sizes_validation():

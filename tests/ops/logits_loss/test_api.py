@@ -38,6 +38,10 @@ def good(**over):
         (dict(impl="triton"), "impl must be one of"),
         (dict(logits=[[[1.0]]]), "logits must be an array"),
         (dict(logits=jnp.ones((B, 0, V))), "logits must have B, T, V >= 1"),
+        (dict(config=GRPOLossConfig(sampler_correction="token_mask")),
+         r"sampler_logps \[B, T\] = \(2, 5\) is required when config.sampler_correction"),
+        (dict(sampler_logps=jnp.ones((B, T + 1))), r"sampler_logps must have shape \[B, T\]"),
+        (dict(sampler_weights=jnp.ones((B,))), r"sampler_weights must have shape \[B, T\]"),
     ],
 )
 def test_bad_input_raises_value_error_naming_the_argument(over, fragment):

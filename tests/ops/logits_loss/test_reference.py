@@ -6,7 +6,8 @@ import pytest
 
 from grpo_kernels import GRPOLossConfig
 from grpo_kernels.ops.logits_loss.inputs import random_inputs, to_numpy
-from tests.helpers import as64, grid_id, loss_grid, option_grid, option_id, value_and_grad
+from tests.helpers import (as64, family_grid, family_id, grid_id, loss_grid, option_grid,
+                           option_id, value_and_grad)
 from tests.oracle import oracle
 
 B, T, V = 3, 9, 97
@@ -17,7 +18,8 @@ def _oracle(inp, cfg, logits=None, **kw):
     logits = as64(inp.logits) if logits is None else logits  # float64 perturbations stay exact
     return oracle(logits, np.asarray(inp.ids), as64(inp.mask), as64(inp.advantages),
                   cfg, to_numpy(inp.old_logps), to_numpy(inp.ref_logps),
-                  sampler=to_numpy(inp.sampler_weights), **kw)
+                  sampler=to_numpy(inp.sampler_weights),
+                  sampler_logps=to_numpy(inp.sampler_logps), **kw)
 
 
 OPTIONS = option_grid(T)
@@ -111,3 +113,32 @@ def test_temperature_divides_logits_before_softmax():
     wrong = np.take_along_axis(z - np.log(np.exp(z).sum(-1, keepdims=True)), ids, -1) / 0.5
     np.testing.assert_allclose(as64(metrics["logp"]), right[..., 0], rtol=1e-5)
     assert np.max(np.abs(right - wrong)) > 0.1
+
+
+FAMILY = family_grid(T)
+
+
+@pytest.mark.parametrize("cfg", FAMILY, ids=family_id)
+def test_family_matches_float64_oracle(cfg):
+    """CISPO, SAPO, VESPO, LUSPO, the sampler corrections, the off-policy mask, the KL bias
+    correction and the entropy terms: the value and the two parts of the loss."""
+    inp = random_inputs(8, B, T, V, jnp.float32, cfg, noise=0.3)
+    loss, metrics, grad = value_and_grad("reference", inp, cfg)
+    want, want_m = _oracle(inp, cfg)
+    assert np.isfinite(float(loss)) and np.isfinite(as64(grad)).all()
+    np.testing.assert_allclose(float(loss), want, rtol=2e-5, atol=1e-6)
+    for key in ("kl", "entropy", "policy_loss", "kl_loss"):
+        np.testing.assert_allclose(float(metrics[key]), want_m[key], rtol=1e-5, atol=1e-6,
+                                   err_msg=key)
+
+
+# CISPO and VESPO detach their weights (TRL does): their gradient is not the value's
+# derivative, and tests/objective/test_gradient.py checks it against its formula instead.
+DIFFERENTIABLE = [c for c in FAMILY if c.loss_type not in ("cispo", "vespo")]
+
+
+@pytest.mark.parametrize("cfg", DIFFERENTIABLE, ids=family_id)
+def test_family_gradient_matches_oracle_finite_differences(cfg):
+    """The gradient, entropy bonus included, against central differences of the oracle."""
+    inp = random_inputs(9, 2, 5, 31, jnp.float32, cfg, noise=0.3)
+    assert_gradient_matches_finite_differences(inp, cfg, seed=2, directions=2)

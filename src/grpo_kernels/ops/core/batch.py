@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.objective import BatchSum, loss_from_token_stats
+from grpo_kernels.objective import BatchGather, BatchSum, RowGrad, loss_from_token_stats
 
 Array = jax.Array
 
@@ -29,6 +29,8 @@ class TokenBatch:
       ref_logps: ``[B, T]`` reference log-probs, or ``None``.
       num_items: The ``dapo`` normaliser as a float32 scalar, or ``None``.
       sampler_weights: ``[B, T]`` weights of each token's policy term, or ``None``.
+      sampler_logps: ``[B, T]`` log-probs of the sampler (for ``sampler_correction`` and the
+        off-policy mask), or ``None``.
     """
 
     ids: Array
@@ -38,15 +40,18 @@ class TokenBatch:
     ref_logps: Array | None = None
     num_items: Array | None = None
     sampler_weights: Array | None = None
+    sampler_logps: Array | None = None
 
     @classmethod
     def of(cls, ids: Array, mask: Array, advantages: Array, old_logps: Array | None = None,
            ref_logps: Array | None = None, num_items_in_batch: Array | float | None = None,
-           sampler_weights: Array | None = None) -> "TokenBatch":
+           sampler_weights: Array | None = None,
+           sampler_logps: Array | None = None) -> "TokenBatch":
         """The batch of a public call's arguments (``num_items_in_batch`` made float32)."""
         num_items = (None if num_items_in_batch is None
                      else jnp.asarray(num_items_in_batch, jnp.float32))
-        return cls(ids, mask, advantages, old_logps, ref_logps, num_items, sampler_weights)
+        return cls(ids, mask, advantages, old_logps, ref_logps, num_items, sampler_weights,
+                   sampler_logps)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -58,13 +63,16 @@ class TokenBatch:
         return jnp.clip(self.ids.astype(jnp.int32), 0, vocab - 1)
 
     def loss(self, logp: Array, entropy: Array, config: GRPOLossConfig, with_grad: bool,
-             batch_sum: BatchSum | None = None,
-             ) -> tuple[Array, dict[str, Array], Array | None]:
-        """``(loss, metrics, g)`` of the ``[B, T]`` log-probs and entropies an implementation
-        computed (:func:`grpo_kernels.objective.loss_from_token_stats` on this batch);
-        ``batch_sum`` makes this device's rows part of a sharded batch."""
+             batch_sum: BatchSum | None = None, batch_gather: BatchGather | None = None,
+             ) -> tuple[Array, dict[str, Array], RowGrad | None]:
+        """``(loss, metrics, grad)`` of the ``[B, T]`` log-probs and entropies an
+        implementation computed (:func:`grpo_kernels.objective.loss_from_token_stats` on this
+        batch); ``batch_sum`` and ``batch_gather`` make this device's rows part of a sharded
+        batch."""
         extra = {} if batch_sum is None else {"batch_sum": batch_sum}
+        if batch_gather is not None:
+            extra["batch_gather"] = batch_gather
         return loss_from_token_stats(logp, entropy, self.mask, self.advantages, config,
                                      self.old_logps, self.ref_logps, self.num_items,
-                                     with_grad=with_grad,
-                                     sampler_weights=self.sampler_weights, **extra)
+                                     with_grad=with_grad, sampler_weights=self.sampler_weights,
+                                     sampler_logps=self.sampler_logps, **extra)

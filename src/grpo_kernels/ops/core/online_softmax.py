@@ -100,3 +100,25 @@ def finish(m: Array, total: Array, q: Array, chosen: Array) -> Stats:
     log_total = jnp.log(total)
     lse = m + log_total
     return chosen - lse, lse, log_total - q / total
+
+
+def softmax_grad(u: Array, hit: Array, coef: Array, hcoef: Array | None = None,
+                 entropy: Array | None = None) -> Array:
+    r"""The loss's derivative w.r.t. a block of scaled logits, float32, from ``u = s - lse``:
+
+    .. math::
+
+        c\,(\mathbb{1}[v = y] - p_v) - c_h\,p_v\,(u_v + H), \qquad p_v = e^{u_v}
+
+    where ``coef`` :math:`c` and ``hcoef`` :math:`c_h` are the per-row
+    :math:`\partial L / \partial \log\pi(y)` and :math:`\partial L / \partial H` (times any
+    factor, e.g. :math:`1/\tau` and the loss cotangent), ``hit`` marks the chosen column and
+    ``entropy`` is the row's :math:`H` (the second term is :math:`c_h\,\partial H/\partial
+    s_v`, since :math:`H = -\sum_v p_v u_v`). Per-row arrays broadcast against ``u``; without
+    ``hcoef`` the second term is left out. Pure ``jnp``: the same code in XLA and in kernels.
+    """
+    p = jnp.exp(u)
+    d = coef * jnp.where(hit, 1.0 - p, -p)
+    if hcoef is not None:
+        d = d - hcoef * (p * (u + entropy))
+    return d

@@ -18,7 +18,9 @@ def token_logp_and_entropy(logits: Array, ids: Array, temperature: float) -> tup
     logsm = jax.nn.log_softmax(scaled, axis=-1)
     ids = jnp.clip(ids.astype(jnp.int32), 0, vocab - 1)
     logp = jnp.take_along_axis(logsm, ids[..., None], axis=-1)[..., 0]
-    sg_logsm = jax.lax.stop_gradient(logsm)
-    p = jnp.exp(sg_logsm)
-    entropy = -jnp.sum(jnp.where(p > 0, p * sg_logsm, 0.0), axis=-1)
+    p = jnp.exp(logsm)
+    # Differentiable (the entropy bonus needs its gradient); where p = 0 the log is replaced by
+    # 0 before the product, so no 0 * inf enters the backward.
+    safe = jnp.where(jax.lax.stop_gradient(p) > 0, logsm, 0.0)
+    entropy = -jnp.sum(p * safe, axis=-1)
     return logp, entropy

@@ -57,6 +57,7 @@ def validate_token_inputs(
     old_logps: Any,
     ref_logps: Any,
     sampler_weights: Any = None,
+    sampler_logps: Any = None,
 ) -> None:
     """Checks ranks, shapes and dtypes at trace time; raises ValueError naming the argument.
 
@@ -78,7 +79,7 @@ def validate_token_inputs(
     check_shape("mask", mask, (b, t), "[B, T]")
     check_shape("advantages", advantages, (b,), "[B]")
     per_token = (("old_logps", old_logps), ("ref_logps", ref_logps),
-                 ("sampler_weights", sampler_weights))
+                 ("sampler_weights", sampler_weights), ("sampler_logps", sampler_logps))
     for name, x in per_token:
         if x is not None:
             check_shape(name, x, (b, t), "[B, T]")
@@ -88,6 +89,10 @@ def validate_token_inputs(
     if config.beta > 0 and ref_logps is None:
         raise ValueError(f"ref_logps [B, T] = {(b, t)} is required when config.beta > 0 "
                          f"(beta={config.beta})")
+    if config.needs_sampler_logps and sampler_logps is None:
+        raise ValueError(f"sampler_logps [B, T] = {(b, t)} is required when "
+                         f"config.sampler_correction is set "
+                         f"(sampler_correction={config.sampler_correction!r})")
 
 
 def backend_kind(backend: str | None = None) -> str:

@@ -81,17 +81,18 @@ def loss_from_pieces(stats: Callable, grad: Callable, ids: Array, config: Any,
     """The loss of a backend given as statistics and gradient pieces (the Pallas kernels).
 
     ``stats(primals, ids)`` gives the ``[B, T]`` ``(logp, lse, entropy)``; the forward turns
-    them into the loss and ``g = dL/dlogp`` (``batch.loss``) and keeps ``(primals, lse, g)``,
-    ``O(N)`` beyond the primals; the backward runs ``grad(primals, ids, lse, g * cotangent)``.
+    them into the loss and its :class:`~grpo_kernels.objective.RowGrad` (``batch.loss``) and
+    keeps ``(primals, lse, row_grad)``, ``O(N)`` beyond the primals; the backward runs
+    ``grad(primals, ids, lse, row_grad.scaled(cotangent))``.
     """
 
     def forward(primals, batch, with_grad):
         logp, lse, entropy = stats(primals, ids)
-        loss, metrics, g = batch.loss(logp, entropy, config, with_grad)
-        return (loss, metrics), (primals, lse, g)
+        loss, metrics, row_grad = batch.loss(logp, entropy, config, with_grad)
+        return (loss, metrics), (primals, lse, row_grad)
 
     def backward(residuals, cotangent):
-        primals, lse, g = residuals
-        return grad(primals, ids, lse, g * cotangent)
+        primals, lse, row_grad = residuals
+        return grad(primals, ids, lse, row_grad.scaled(cotangent))
 
     return loss_with_gradient(forward, backward)(primals, batch)

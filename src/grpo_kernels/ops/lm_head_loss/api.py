@@ -89,13 +89,15 @@ def validate_head(hidden: Any, lm_head: Any, layout: Any, bias: Any,
 
 def validate_call(hidden: Any, lm_head: Any, ids: Any, mask: Any, advantages: Any, config: Any,
                   old_logps: Any, ref_logps: Any, layout: Any, bias: Any,
-                  logits_dtype: Any, sampler_weights: Any = None) -> HeadFormat:
+                  logits_dtype: Any, sampler_weights: Any = None,
+                  sampler_logps: Any = None) -> HeadFormat:
     """Every check of a fused call (the head's, then the logits-level ones on the logits it
     would form); returns the head's format."""
     fmt = validate_head(hidden, lm_head, layout, bias, logits_dtype)
     b, t, _ = hidden.shape
     validate_token_inputs(jax.ShapeDtypeStruct((b, t, fmt.vocab(lm_head)), fmt.logits_dtype),
-                          ids, mask, advantages, config, old_logps, ref_logps, sampler_weights)
+                          ids, mask, advantages, config, old_logps, ref_logps, sampler_weights,
+                          sampler_logps)
     return fmt
 
 
@@ -121,6 +123,7 @@ def grpo_loss_from_hidden(
     ref_logps: Array | None = None,
     num_items_in_batch: Array | float | None = None,
     sampler_weights: Array | None = None,
+    sampler_logps: Array | None = None,
     impl: str = "auto",
     lm_head_layout: str = "hv",
     bias: Array | None = None,
@@ -141,7 +144,7 @@ def grpo_loss_from_hidden(
       lm_head: ``[H, V]`` (``lm_head_layout="hv"``, as ``x @ W``) or ``[V, H]`` (``"vh"``, the
         ``nn.Linear`` / tied-embedding layout).
       ids, mask, advantages, config, old_logps, ref_logps, num_items_in_batch,
-        sampler_weights, check_ids: as :func:`grpo_kernels.grpo_loss`.
+        sampler_weights, sampler_logps, check_ids: as :func:`grpo_kernels.grpo_loss`.
       impl: ``"auto"`` (``xla``), ``"reference"`` (materialised logits, the baseline),
         ``"xla"`` (chunked, fused) or ``"pallas"`` (TPU kernel; interpret mode on CPU).
       lm_head_layout: ``"hv"`` or ``"vh"``.
@@ -160,10 +163,10 @@ def grpo_loss_from_hidden(
       ValueError: at trace time, naming the argument and the expected shape or dtype.
     """
     fmt = validate_call(hidden, lm_head, ids, mask, advantages, config, old_logps, ref_logps,
-                        lm_head_layout, bias, logits_dtype, sampler_weights)
+                        lm_head_layout, bias, logits_dtype, sampler_weights, sampler_logps)
     impl = resolve_impl(impl, options, OPTION_TYPES, default_impl)
     if check_ids:
         check_ids_in_range(ids, mask, fmt.vocab(lm_head))
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
-                          sampler_weights)
+                          sampler_weights, sampler_logps)
     return IMPLEMENTATIONS[impl](hidden, lm_head, bias, batch, config, fmt, options)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.ops.core.inputs import sampler_logps_near, wants_sampler_logps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +21,14 @@ class HeadInputs:
     advantages: jax.Array
     old_logps: jax.Array
     ref_logps: jax.Array
+    sampler_logps: jax.Array | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        """``old_logps``, ``ref_logps`` and, when present, ``sampler_logps``."""
+        out = {"old_logps": self.old_logps, "ref_logps": self.ref_logps}
+        if self.sampler_logps is not None:
+            out["sampler_logps"] = self.sampler_logps
+        return out
 
 
 def random_head_inputs(seed: int, batch: int, time: int, hidden: int, vocab: int, dtype: Any,
@@ -27,8 +36,8 @@ def random_head_inputs(seed: int, batch: int, time: int, hidden: int, vocab: int
                        noise: float = 0.1) -> HeadInputs:
     """Hidden ~ N(0, 1); W ~ N(0, 4/H) (logits of standard deviation about 2); ids uniform;
     right-padded masks of random length; advantages ~ N(0, 1); old/ref log-probs around
-    ``-log V`` plus ``N(0, noise^2)`` (an off-policy step)."""
-    del config
+    ``-log V`` plus ``N(0, noise^2)`` (an off-policy step); sampler log-probs near the old
+    ones when the config wants them (:func:`..core.inputs.wants_sampler_logps`)."""
     k = jax.random.split(jax.random.PRNGKey(seed), 7)
     h = jax.random.normal(k[0], (batch, time, hidden), jnp.float32).astype(dtype)
     shape = (hidden, vocab) if layout == "hv" else (vocab, hidden)
@@ -39,4 +48,6 @@ def random_head_inputs(seed: int, batch: int, time: int, hidden: int, vocab: int
     adv = jax.random.normal(k[4], (batch,), jnp.float32)
     base = -jnp.log(jnp.float32(vocab)) + noise * jax.random.normal(k[5], (batch, time))
     ref = base + noise * jax.random.normal(k[6], (batch, time))
-    return HeadInputs(h, w, ids, mask, adv, base, ref)
+    sampler = (sampler_logps_near(jax.random.fold_in(k[0], 11), base, noise)
+               if wants_sampler_logps(config) else None)
+    return HeadInputs(h, w, ids, mask, adv, base, ref, sampler)

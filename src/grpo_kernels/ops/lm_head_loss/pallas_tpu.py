@@ -42,7 +42,7 @@ from grpo_kernels.compat import out_struct
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import common_dtype
-from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats
+from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, softmax_grad
 from grpo_kernels.ops.core.vjp import loss_from_pieces
 from grpo_kernels.ops.lm_head_loss.head import HeadFormat, delta_dtype
 from grpo_kernels.ops.lm_head_loss.head import matmul as _dot
@@ -157,15 +157,16 @@ def head_statistics(h: Array, w: Array, bias: Array | None, ids: Array, *, layou
     return logp[:, 0], lse[:, 0], ent[:, 0]
 
 
-def _delta(h, w_ref, b_ref, ids_ref, lse_ref, coef_ref, col0, *, vocab, layout, logits_dtype,
-           tau):
+def _delta(h, w_ref, b_ref, row_refs, col0, *, vocab, layout, logits_dtype, tau):
     """``(delta, w)`` of one tile: the logits gradient (0 past V, in :func:`delta_dtype`) and
     the W tile with its columns past V zeroed (they hold garbage: the tile overhangs the
-    array)."""
+    array). ``row_refs``: ids, lse, coef and, with an entropy term, its factor and the
+    entropies (:func:`softmax_grad`)."""
+    ids_ref, lse_ref, coef_ref = row_refs[:3]
+    hcoef, ent = (row_refs[3][...], row_refs[4][...]) if len(row_refs) == 5 else (None, None)
     s, cols, valid = _finish_logits(_matmul_hw(h, w_ref[...], layout), b_ref, col0, vocab=vocab,
                                     logits_dtype=logits_dtype, tau=tau)
-    p = jnp.exp(s - lse_ref[...])
-    delta = coef_ref[...] * ((cols == ids_ref[...]).astype(_F32) - p)
+    delta = softmax_grad(s - lse_ref[...], cols == ids_ref[...], coef_ref[...], hcoef, ent)
     delta = jnp.where(valid, delta, 0.0).astype(delta_dtype(logits_dtype, w_ref.dtype))
     w = w_ref[...]
     wcols = col0 + jax.lax.broadcasted_iota(jnp.int32, w.shape, 1 if layout == "hv" else 0)
@@ -173,10 +174,11 @@ def _delta(h, w_ref, b_ref, ids_ref, lse_ref, coef_ref, col0, *, vocab, layout, 
     return delta, w
 
 
-def _dh_kernel(*refs, vocab, tv, layout, logits_dtype, tau, has_bias):
+def _dh_kernel(*refs, vocab, tv, layout, logits_dtype, tau, has_bias, n_rows):
     h_ref, w_ref = refs[:2]
     b_ref = refs[2] if has_bias else None
-    ids_ref, lse_ref, coef_ref, dh_ref, acc = refs[2 + has_bias:]
+    row_refs = refs[2 + has_bias:2 + has_bias + n_rows]
+    dh_ref, acc = refs[2 + has_bias + n_rows:]
     j = pl.program_id(1)
 
     @pl.when(j == 0)
@@ -184,7 +186,7 @@ def _dh_kernel(*refs, vocab, tv, layout, logits_dtype, tau, has_bias):
         acc[...] = jnp.zeros(acc.shape, _F32)
 
     h = h_ref[...]
-    delta, w = _delta(h, w_ref, b_ref, ids_ref, lse_ref, coef_ref, j * tv, vocab=vocab,
+    delta, w = _delta(h, w_ref, b_ref, row_refs, j * tv, vocab=vocab,
                       layout=layout, logits_dtype=logits_dtype, tau=tau)
     acc[...] += _dot(delta, w, ((1,), (1,)) if layout == "hv" else ((1,), (0,)))
 
@@ -193,12 +195,12 @@ def _dh_kernel(*refs, vocab, tv, layout, logits_dtype, tau, has_bias):
         dh_ref[...] = acc[...].astype(dh_ref.dtype)
 
 
-def _dw_kernel(*refs, vocab, tv, layout, logits_dtype, tau, has_bias):
+def _dw_kernel(*refs, vocab, tv, layout, logits_dtype, tau, has_bias, n_rows):
     h_ref, w_ref = refs[:2]
     b_ref = refs[2] if has_bias else None
     rest = refs[2 + has_bias:]
-    ids_ref, lse_ref, coef_ref, dw_ref = rest[:4]
-    db_ref = rest[4] if has_bias else None
+    row_refs, dw_ref = rest[:n_rows], rest[n_rows]
+    db_ref = rest[n_rows + 1] if has_bias else None
     acc, bacc = rest[-2:]
     j, i = pl.program_id(0), pl.program_id(1)
 
@@ -208,7 +210,7 @@ def _dw_kernel(*refs, vocab, tv, layout, logits_dtype, tau, has_bias):
         bacc[...] = jnp.zeros(bacc.shape, _F32)
 
     h = h_ref[...]
-    delta, _ = _delta(h, w_ref, b_ref, ids_ref, lse_ref, coef_ref, j * tv, vocab=vocab,
+    delta, _ = _delta(h, w_ref, b_ref, row_refs, j * tv, vocab=vocab,
                       layout=layout, logits_dtype=logits_dtype, tau=tau)
     if layout == "hv":
         acc[...] += _dot(h, delta, ((0,), (0,)))
@@ -226,23 +228,27 @@ def _dw_kernel(*refs, vocab, tv, layout, logits_dtype, tau, has_bias):
 
 def head_gradients(h: Array, w: Array, bias: Array | None, ids: Array, lse: Array, coef: Array,
                    *, layout: str, logits_dtype: Any, temperature: float, tiles: Tiles,
-                   interpret: bool = False) -> tuple[Array, Array, Array | None]:
-    """``(dh, dW, db)`` for per-row factors ``coef = g * cotangent / tau`` (``N`` a multiple of tm)."""
+                   interpret: bool = False, hcoef: Array | None = None,
+                   entropy: Array | None = None) -> tuple[Array, Array, Array | None]:
+    """``(dh, dW, db)`` for per-row factors ``coef = g * cotangent / tau`` and, with an entropy
+    term, ``hcoef = h * cotangent / tau`` and the rows' ``entropy`` (``N`` a multiple of tm)."""
     n, hidden = h.shape
     vocab = w.shape[1] if layout == "hv" else w.shape[0]
     tm, tv = tiles.rows, tiles.vocab
     nv, nr = pl.cdiv(vocab, tv), n // tm
     has_bias = bias is not None
-    static = dict(vocab=vocab, tv=tv, layout=layout, logits_dtype=logits_dtype,
-                  tau=temperature, has_bias=has_bias)
     per_row = [ids.reshape(n, 1), lse.reshape(n, 1), coef.reshape(n, 1)]
+    if hcoef is not None:
+        per_row += [hcoef.reshape(n, 1), entropy.reshape(n, 1)]
+    static = dict(vocab=vocab, tv=tv, layout=layout, logits_dtype=logits_dtype,
+                  tau=temperature, has_bias=has_bias, n_rows=len(per_row))
     bias_args = [bias.reshape(1, vocab)] if has_bias else []
 
     # dh: rows parallel, vocabulary accumulated.
     row = pl.BlockSpec((tm, 1), lambda i, j: (i, 0))
     specs = [pl.BlockSpec((tm, hidden), lambda i, j: (i, 0)),
              _w_spec(tiles, hidden, layout, lambda i, j: (0, j))]
-    specs += [pl.BlockSpec((1, tv), lambda i, j: (0, j))] * has_bias + [row] * 3
+    specs += [pl.BlockSpec((1, tv), lambda i, j: (0, j))] * has_bias + [row] * len(per_row)
     dh = pl.pallas_call(
         functools.partial(_dh_kernel, **static), grid=(nr, nv), in_specs=specs,
         out_specs=pl.BlockSpec((tm, hidden), lambda i, j: (i, 0)),
@@ -256,7 +262,7 @@ def head_gradients(h: Array, w: Array, bias: Array | None, ids: Array, lse: Arra
     row = pl.BlockSpec((tm, 1), lambda j, i: (i, 0))
     specs = [pl.BlockSpec((tm, hidden), lambda j, i: (i, 0)),
              _w_spec(tiles, hidden, layout, lambda j, i: (0, j))]
-    specs += [pl.BlockSpec((1, tv), lambda j, i: (0, j))] * has_bias + [row] * 3
+    specs += [pl.BlockSpec((1, tv), lambda j, i: (0, j))] * has_bias + [row] * len(per_row)
     out_specs = [_w_spec(tiles, hidden, layout, lambda j, i: (0, j))]
     out_shape = [out_struct(w.shape, w.dtype, h, w, *bias_args, *per_row)]
     if has_bias:
@@ -279,8 +285,9 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadPallasOption
     """``(stats, grad)`` on ``[B, T, H]`` hidden states and a head (shard) ``w``:
 
     ``stats(primals, ids)`` -> ``[B, T]`` ``(logp, lse, entropy)`` of the head's columns;
-    ``grad(primals, hit_ids, lse, g)`` -> ``(dhidden, dW, db)`` given the whole row's ``lse``
-    and ``g = dL/dlogp`` (carrying the loss cotangent; an id of ``-1`` hits no column).
+    ``grad(primals, hit_ids, lse, row)`` -> ``(dhidden, dW, db)`` given the whole row's ``lse``
+    and :class:`~grpo_kernels.objective.RowGrad` (carrying the loss cotangent; an id of ``-1``
+    hits no column).
     ``interpret`` overrides the options' (the sharding layer passes ``"hlo"`` on CPU).
     """
     opts = options or LmHeadPallasOptions()
@@ -303,11 +310,13 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadPallasOption
                               rows(ids), **static)
         return tuple(x[:n].reshape(b, t) for x in out)
 
-    def grad(primals, hit_ids, lse, g):
+    def grad(primals, hit_ids, lse, row):
         hidden, w, bias = primals
+        entropy = {} if row.h is None else dict(hcoef=rows(row.h / temperature),
+                                                 entropy=rows(row.entropy))
         dh, dw, db = head_gradients(rows(hidden.astype(compute)), w.astype(compute), bias,
-                                    rows(hit_ids, -1), rows(lse), rows(g / temperature),
-                                    **static)
+                                    rows(hit_ids, -1), rows(lse), rows(row.g / temperature),
+                                    **static, **entropy)
         return (dh[:n].reshape(hidden.shape).astype(hidden.dtype), dw.astype(w.dtype), db)
 
     return stats, grad

@@ -24,9 +24,12 @@ loop runs in the ``custom_vjp`` forward; the backward only multiplies by the los
 primal alone (no gradient) is one matmul per chunk and the statistics.
 
 Token-level importance sampling makes ``g`` a function of the token's own log-prob, so the
-gradient is formed in the same pass. At sequence level (GSPO) ``g`` needs the whole sequence;
-the op then runs the loop twice: statistics first (one matmul), then the gradient pass with
-``g`` known (three more).
+gradient is formed in the same pass (with an entropy bonus, :math:`\delta` gains the term
+:math:`h\,\partial H/\partial s`, :math:`h` known from the mask). At sequence level (GSPO),
+and with the options that look at other tokens (VESPO, the off-policy mask, a sequence-level
+sampler correction, the batch's entropy quantile; :func:`grpo_kernels.objective.token_separable`),
+``g`` needs more than the token; the op then runs the loop twice: statistics first (one
+matmul), then the gradient pass with ``g`` known (three more).
 
 Peak temporary memory is ``O(c V)`` plus the ``[H, V]`` float32 accumulator and ``[N, H]`` for
 ``dhidden``: no ``[N, V]`` array exists. ``c`` comes from a byte budget over ``V``
@@ -45,7 +48,13 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.objective import token_loss_grad, token_separable, token_weights
+from grpo_kernels.objective import (
+    RowGrad,
+    entropy_bonus_grad,
+    token_loss_grad,
+    token_separable,
+    token_weights,
+)
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import common_dtype
 from grpo_kernels.ops.core.options import check_int
@@ -148,25 +157,33 @@ def _rows_and_head(hidden: Array, w: Array, bias: Array | None,
 
 
 def _token_grad_fn(batch: TokenBatch, config: GRPOLossConfig) -> GradFn:
-    """``grad_fn(start, size, logp)`` of :func:`head_sweep` at token level: each chunk's
-    ``g = dL/dlogp`` from its own log-probs (:func:`grpo_kernels.objective.token_loss_grad`)."""
+    """``grad_fn(start, size, logp)`` of :func:`head_sweep` for a token-separable config: each
+    chunk's ``g = dL/dlogp`` from its own log-probs
+    (:func:`grpo_kernels.objective.token_loss_grad`) and the entropy bonus's ``h``, known from
+    the mask (:func:`grpo_kernels.objective.entropy_bonus_grad`)."""
     b, t = batch.shape
     weights = _flat(token_weights(batch.mask, config, batch.num_items))
     adv = _flat(jnp.broadcast_to(batch.advantages.astype(_F32)[:, None], (b, t)))
     old, ref = _flat(batch.old_logps), _flat(batch.ref_logps)
-    sampler = _flat(batch.sampler_weights)
+    sampler, mask = _flat(batch.sampler_weights), _flat(batch.mask)
+    sampler_logps = _flat(batch.sampler_logps)
+    h = _flat(entropy_bonus_grad(batch.mask, config, batch.num_items))
 
     def grad_fn(start, size, logp):
-        return token_loss_grad(logp, _rows(weights, start, size), _rows(adv, start, size),
-                               config, _rows(old, start, size), _rows(ref, start, size),
-                               _rows(sampler, start, size))
+        def rows(x):
+            return _rows(x, start, size)
+
+        g = token_loss_grad(logp, rows(weights), rows(adv), config, rows(old), rows(ref),
+                            rows(sampler), rows(mask), rows(sampler_logps))
+        return RowGrad(g, rows(h))
 
     return grad_fn
 
 
-def _given_grad_fn(g: Array) -> GradFn:
-    """``grad_fn`` of a pass whose ``g`` is already known (``[N]``)."""
-    return lambda start, size, _: jax.lax.dynamic_slice_in_dim(g, start, size)
+def _given_grad_fn(row: RowGrad) -> GradFn:
+    """``grad_fn`` of a pass whose :class:`RowGrad` is already known (``[N]`` arrays)."""
+    return lambda start, size, _: row.map(
+        lambda x: jax.lax.dynamic_slice_in_dim(x, start, size))
 
 
 def _cast_grads(primals: tuple, dh: Array, dw: Array, db: Array | None) -> tuple:
@@ -198,27 +215,28 @@ def xla_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: T
             else None
         (logp, lse, ent), grads = head_sweep(h, ids, head, tau, rows, grad_fn,
                                              dweight=not by_vocab)
-        loss, metrics, g = batch.loss(logp.reshape(b, t), ent.reshape(b, t), config,
-                                      with_grad=with_grad and grads is None)
-        if g is not None:  # sequence level: a second pass with g known
-            g = g.reshape(-1)
-            _, grads = head_sweep(h, ids, head, tau, rows, _given_grad_fn(g),
+        loss, metrics, row = batch.loss(logp.reshape(b, t), ent.reshape(b, t), config,
+                                        with_grad=with_grad and grads is None)
+        if row is not None:  # not token-separable: a second pass with the gradient known
+            row = row.map(lambda x: x.reshape(-1))
+            _, grads = head_sweep(h, ids, head, tau, rows, _given_grad_fn(row),
                                   dweight=not by_vocab)
         elif grads is not None and by_vocab:
-            g = grad_fn(0, b * t, logp)
+            row = grad_fn(0, b * t, logp)
+            row = row if row.h is None else row._replace(entropy=ent)
         if grads is None or not by_vocab:
             return (loss, metrics), None if grads is None else _cast_grads(primals, *grads)
-        return (loss, metrics), (grads[0], primals, ids, lse, g)
+        return (loss, metrics), (grads[0], primals, ids, lse, row)
 
     def vocab_backward(residuals, cotangent):
         # dW and db in the backward, so that the vocabulary pass writes the returned gradient
         # itself: formed in the forward, it would be a weight-sized residual and the
         # cotangent's product a second weight-sized array.
-        dh, primals, ids, lse, g = residuals
+        dh, primals, ids, lse, row = residuals
         h, head = _rows_and_head(*primals, fmt)
         dh, = scale_by_cotangent((dh,), cotangent)
-        return _cast_grads(primals, dh, *vocab_sweep(h, ids, head, tau, lse, g * cotangent,
-                                                     cols))
+        return _cast_grads(primals, dh, *vocab_sweep(h, ids, head, tau, lse,
+                                                     row.scaled(cotangent), cols))
 
     backward = vocab_backward if by_vocab else scale_by_cotangent
     return loss_with_gradient(forward, backward)((hidden, lm_head, bias), batch)
@@ -229,8 +247,9 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadBlockSizes |
     """``(stats, grad)`` on this device's rows and head shard (see :mod:`grpo_kernels.sharding`):
 
     ``stats(primals, ids)`` -> the ``[B, T]`` ``(logp, lse, entropy)`` of the shard's columns;
-    ``grad(primals, hit_ids, lse, g)`` -> ``(dhidden, dW, db)`` of the shard given the whole
-    row's ``lse`` and ``g``, ``dhidden`` summed over shards chunk by chunk by ``reduce_dh``.
+    ``grad(primals, hit_ids, lse, row)`` -> ``(dhidden, dW, db)`` of the shard given the whole
+    row's ``lse`` and :class:`RowGrad`, ``dhidden`` summed over shards chunk by chunk by
+    ``reduce_dh``.
     ``vocab`` is the whole head's ``V``: the chunk is planned from it.
     """
     b, t, hdim = hidden.shape
@@ -250,14 +269,15 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadBlockSizes |
         out, _ = head_sweep(h, ids.reshape(-1), head, temperature, rows, None)
         return tuple(x.reshape(b, t) for x in out)
 
-    def grad(primals, hit_ids, lse, g):
+    def grad(primals, hit_ids, lse, row):
         h, head = _rows_and_head(*primals, fmt)
-        ids, lse, g = hit_ids.reshape(-1), lse.reshape(-1), g.reshape(-1)
-        _, grads = head_sweep(h, ids, head, temperature, rows, _given_grad_fn(g),
+        ids, lse = hit_ids.reshape(-1), lse.reshape(-1)
+        row = row.map(lambda x: x.reshape(-1))
+        _, grads = head_sweep(h, ids, head, temperature, rows, _given_grad_fn(row),
                               dw_rows=dw_rows, lse=lse, reduce_dh=reduce_dh,
                               dweight=not by_vocab)
         if by_vocab:
-            grads = (grads[0], *vocab_sweep(h, ids, head, temperature, lse, g, cols))
+            grads = (grads[0], *vocab_sweep(h, ids, head, temperature, lse, row, cols))
         return _cast_grads(primals, *grads)
 
     return stats, grad

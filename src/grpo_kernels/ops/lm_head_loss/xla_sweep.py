@@ -17,7 +17,14 @@ import jax.numpy as jnp
 
 from grpo_kernels.compat import vary_like
 from grpo_kernels.ops.core.dtypes import cast_to
-from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, sweep
+from grpo_kernels.objective import RowGrad
+from grpo_kernels.ops.core.online_softmax import (
+    block_stats,
+    finish,
+    merge_stats,
+    softmax_grad,
+    sweep,
+)
 from grpo_kernels.ops.lm_head_loss.head import delta_dtype, matmul
 
 Array = jax.Array
@@ -128,7 +135,7 @@ def _slice_rows(x: Array, start: Any, size: int, axis: int = 0) -> Array:
     return _from_bits(jax.lax.dynamic_slice_in_dim(_as_bits(x), start, size, axis=axis), x.dtype)
 
 
-GradFn = Callable[[Any, int, Array], Array]
+GradFn = Callable[[Any, int, Array], RowGrad]
 
 # float32 elements of one dW update product [rows, V] on CPU (docs/lm_head.md says why).
 DWEIGHT_ELEMENTS = 1 << 22
@@ -170,15 +177,24 @@ def _accumulate_dweight(dw: Array, hc_t: Array, delta: Array, rows: int) -> Arra
     return sweep(dw.shape[0], min(rows, dw.shape[0]), body, dw, like=(hc_t, delta))
 
 
-def logits_delta(s: Array, ids: Array, coef: Array, lse: Array, head: Head,
+def logits_delta(s: Array, ids: Array, row: RowGrad, lse: Array, head: Head,
                  col: Any = 0) -> Array:
-    r"""``delta = coef (1[v = y] - e^{s - lse})`` for the rows of ``s [r, w]``, whose columns
-    are the vocabulary's ``col .. col + w``; ``coef`` (``g / tau``), ``lse`` and ``ids`` are
-    ``[r]``. In the dtype the two gradient matmuls take (:func:`delta_dtype`). An id outside the
-    columns (``-1``: a vocabulary shard that does not own it) has no one-hot term."""
+    r"""``delta = dL/ds`` for the rows of ``s [r, w]``, whose columns are the vocabulary's
+    ``col .. col + w``: :func:`softmax_grad` of ``u = s - lse`` with the per-row factors of
+    ``row`` (``[r]`` arrays, already over ``tau``); without an entropy term
+    ``g (1[v = y] - e^{u})``. In the dtype the two gradient matmuls take
+    (:func:`delta_dtype`). An id outside the columns (``-1``: a vocabulary shard that does not
+    own it) has no one-hot term."""
     hit = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) == (ids - col)[:, None]
-    return cast_to(coef[:, None] * (hit.astype(_F32) - jnp.exp(s - lse[:, None])),
+    r = row.map(lambda x: x[:, None])
+    return cast_to(softmax_grad(s - lse[:, None], hit, r.g, r.h, r.entropy),
                    delta_dtype(head.logits_dtype, head.w.dtype))
+
+
+def _over_tau(row: RowGrad, temperature: float) -> RowGrad:
+    """The factors of :func:`logits_delta`: ``g`` and ``h`` over ``tau``."""
+    return RowGrad(row.g / temperature, None if row.h is None else row.h / temperature,
+                   row.entropy)
 
 
 def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
@@ -198,7 +214,8 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
       temperature: Softmax temperature.
       rows: Rows per chunk.
       grad_fn: ``None`` for statistics only; else ``grad_fn(start, size, logp_chunk)`` returns
-        the chunk's ``g = dL/dlogp`` and the pass also forms the gradients.
+        the chunk's :class:`~grpo_kernels.objective.RowGrad` and the pass also forms the
+        gradients (an entropy term without ``entropy`` takes this pass's entropies).
       dw_rows: Rows of ``dW`` per update (default :func:`dweight_rows` of this head).
       lse: ``[N]`` logsumexp to use in the gradient instead of the one of these columns (the
         whole-row value when the head is a vocabulary shard); ``None``: this pass's own.
@@ -234,7 +251,10 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
         dh_bits, dw, db = grads
         if lse is not None:
             lse_c = jax.lax.dynamic_slice_in_dim(lse, start, size)
-        delta = logits_delta(s, idc, grad_fn(start, size, logp) / temperature, lse_c, head)
+        row = grad_fn(start, size, logp)
+        if row.h is not None and row.entropy is None:
+            row = row._replace(entropy=ent)
+        delta = logits_delta(s, idc, _over_tau(row, temperature), lse_c, head)
         dhc = head.dhidden(delta)
         dhc = _as_bits((dhc if reduce_dh is None else reduce_dh(dhc)).astype(h.dtype))
         dh_bits = jax.lax.dynamic_update_slice_in_dim(dh_bits, dhc, start, 0)
@@ -264,14 +284,16 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
     return stats, grads
 
 
-def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array, g: Array,
-                cols: int) -> tuple[Array, Array | None]:
+def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array,
+                row: RowGrad, cols: int) -> tuple[Array, Array | None]:
     r"""``dW`` and ``db`` in one pass over blocks of ``cols`` vocabulary columns, every token at
-    once, given each token's ``lse`` and ``g = dL/dlogp`` (``[N]``, from a token pass).
+    once, given each token's ``lse`` and :class:`~grpo_kernels.objective.RowGrad` (``[N]``
+    arrays, from a token pass).
 
     Per block :math:`\mathcal{B}`: :math:`z_{\mathcal{B}} = h W_{\mathcal{B}} + b_{\mathcal{B}}`
-    (``[N, cols]``, rounded as the logits are), :math:`\delta = \frac{g}{\tau}(\mathbb{1}[v = y]
-    - e^{s - \mathrm{lse}})`, :math:`\partial L/\partial W_{\mathcal{B}} = h^\top \delta` and
+    (``[N, cols]``, rounded as the logits are), :math:`\delta` of :func:`logits_delta`
+    (without an entropy term :math:`\frac{g}{\tau}(\mathbb{1}[v = y]
+    - e^{s - \mathrm{lse}})`), :math:`\partial L/\partial W_{\mathcal{B}} = h^\top \delta` and
     :math:`\partial L/\partial b_{\mathcal{B}} = \sum_n \delta_n`: each block of the weight
     gradient is summed over all ``N`` tokens inside one float32 matmul and rounded to the
     weight dtype once, so no ``[H, V]`` float32 accumulator exists. The price is the logits'
@@ -281,7 +303,7 @@ def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array
       ``(dW in W's dtype and layout, db float32 or None)``.
     """
     vocab, axis = head.vocab, (1 if head.layout == "hv" else 0)
-    coef = g.astype(_F32) / temperature
+    coef = _over_tau(row.map(lambda x: x.astype(_F32)), temperature)
 
     def block(col, width, carry):
         dw_bits, db = carry
@@ -302,5 +324,5 @@ def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array
 
     init = (_as_bits(jnp.zeros(head.w.shape, head.w.dtype)),
             None if head.bias is None else jnp.zeros((vocab,), _F32))
-    dw_bits, db = sweep(vocab, min(cols, vocab), block, init, like=(h, ids, head.w, lse, g))
+    dw_bits, db = sweep(vocab, min(cols, vocab), block, init, like=(h, ids, head.w, lse, row.g))
     return _from_bits(dw_bits, head.w.dtype), db

@@ -56,6 +56,7 @@ def grpo_loss(
     ref_logps: Array | None = None,
     num_items_in_batch: Array | float | None = None,
     sampler_weights: Array | None = None,
+    sampler_logps: Array | None = None,
     impl: str = "auto",
     check_ids: bool = False,
     options: XlaBlockSizes | PallasOptions | None = None,
@@ -94,6 +95,8 @@ def grpo_loss(
       sampler_weights: Optional ``[B, T]`` per-token weights of the policy term (not of the
         KL term), e.g. truncated importance weights between the sampler and the trainer
         (tunix's ``sampler_is_weights``); no gradient flows into them.
+      sampler_logps: Optional ``[B, T]`` log-probs of the sampler (e.g. vLLM's); required by
+        ``config.sampler_correction``, and used by the off-policy mask when given.
       impl: ``"auto"``, ``"reference"``, ``"xla"`` or ``"pallas"`` (TPU/GPU kernels; interpret
         mode on CPU, for tests only).
       check_ids: Raise ValueError when an unmasked id is outside ``[0, V)`` (at call time for
@@ -106,16 +109,16 @@ def grpo_loss(
       the logits dtype), and metrics without gradient: ``logp`` and ``token_entropy``
       ``[B, T]``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_region``, ``kl`` (0
       without ``ref_logps``), ``entropy``, ``policy_loss`` and ``kl_loss`` (the loss is
-      ``policy_loss + beta * kl_loss``).
+      ``policy_loss + beta * kl_loss``, minus the entropy bonus with ``entropy_coef``).
 
     Raises:
       ValueError: at trace time, naming the argument and the expected shape or value.
     """
     validate_token_inputs(logits, ids, mask, advantages, config, old_logps, ref_logps,
-                          sampler_weights)
+                          sampler_weights, sampler_logps)
     impl = resolve_impl(impl, options, OPTION_TYPES, default_impl)
     if check_ids:
         check_ids_in_range(ids, mask, logits.shape[-1])
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
-                          sampler_weights)
+                          sampler_weights, sampler_logps)
     return IMPLEMENTATIONS[impl](logits, batch, config, options)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.ops.core.inputs import sampler_logps_near, wants_sampler_logps
 from grpo_kernels.ops.core.reference import token_logp_and_entropy
 
 @dataclasses.dataclass(frozen=True)
@@ -23,12 +24,15 @@ class LossInputs:
     old_logps: jax.Array | None
     ref_logps: jax.Array | None
     sampler_weights: jax.Array | None = None
+    sampler_logps: jax.Array | None = None
 
     def kwargs(self) -> dict[str, Any]:
-        """The optional per-token arguments (``sampler_weights`` only when present)."""
+        """The optional per-token arguments (``sampler_weights`` and ``sampler_logps`` only
+        when present)."""
         out = {"old_logps": self.old_logps, "ref_logps": self.ref_logps}
-        if self.sampler_weights is not None:
-            out["sampler_weights"] = self.sampler_weights
+        for name in ("sampler_weights", "sampler_logps"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
 
@@ -52,6 +56,8 @@ def random_inputs(
     ``old_logps`` and ``ref_logps`` are the reference log-probs plus ``N(0, noise^2)`` (a real
     off-policy step), ``old_logps`` omitted when ``on_policy``. With ``sampler_weights``,
     per-token weights uniform in ``[0.2, 2)`` (truncated importance weights of a sampler).
+    ``sampler_logps`` (when :func:`wants_sampler_logps`): the old log-probs (or the
+    reference's, on-policy) plus ``N(0, noise^2)``.
     """
     keys = jax.random.split(jax.random.PRNGKey(seed), 6)
     logits = (jax.random.normal(keys[0], (batch, time, vocab), jnp.float32) * logit_scale)
@@ -65,7 +71,10 @@ def random_inputs(
     ref = logp + noise * jax.random.normal(keys[5], logp.shape)
     weights = (jax.random.uniform(jax.random.fold_in(keys[0], 7), logp.shape, jnp.float32, 0.2, 2.0)
                if sampler_weights else None)
-    return LossInputs(logits, ids, mask, advantages, old, ref, weights)
+    sampler = (sampler_logps_near(jax.random.fold_in(keys[0], 11),
+                                  logp if old is None else old, noise)
+               if wants_sampler_logps(config) else None)
+    return LossInputs(logits, ids, mask, advantages, old, ref, weights, sampler)
 
 
 def to_numpy(x: jax.Array | None) -> np.ndarray | None:

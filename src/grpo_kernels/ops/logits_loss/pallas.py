@@ -111,9 +111,10 @@ def kernels(vocab: int, dtype, opts: PallasOptions):
     def stats(z, ids, tau):
         return mod.row_statistics(z, ids, tau, tiling, interpret=interpret)
 
-    def grad(z, ids, lse, coef, tau):
+    def grad(z, ids, lse, coef, tau, hcoef=None, entropy=None):
         return mod.logits_gradient(z, ids, lse, coef, tau, tiling, interpret=interpret,
-                                   alias_logits=opts.alias_logits)
+                                   alias_logits=opts.alias_logits, hcoef=hcoef,
+                                   entropy=entropy)
 
     return stats, grad
 
@@ -121,8 +122,8 @@ def kernels(vocab: int, dtype, opts: PallasOptions):
 def pieces(shape: tuple[int, ...], dtype, options: PallasOptions | None, temperature: float):
     """``(stats, grad)`` on primals ``(z,)``, ``z`` ``[B, T, V_k]`` logits, as
     :func:`..xla.pieces`: ``stats((z,), ids)`` -> ``[B, T]`` ``(logp, lse, entropy)``;
-    ``grad((z,), hit_ids, lse, g)`` -> ``(dz,)`` where ``g`` already carries the loss
-    cotangent."""
+    ``grad((z,), hit_ids, lse, row_grad)`` -> ``(dz,)`` where the
+    :class:`~grpo_kernels.objective.RowGrad` already carries the loss cotangent."""
     b, t, vocab = shape
     n = b * t
     row_stats, row_grad = kernels(vocab, dtype, options or PallasOptions())
@@ -131,9 +132,11 @@ def pieces(shape: tuple[int, ...], dtype, options: PallasOptions | None, tempera
         out = row_stats(primals[0].reshape(n, vocab), ids.reshape(n), temperature)
         return tuple(x.reshape(b, t) for x in out)
 
-    def grad(primals, hit_ids, lse, g):
+    def grad(primals, hit_ids, lse, rg):
+        rg = rg.map(lambda x: x.reshape(n))
         dz = row_grad(primals[0].reshape(n, vocab), hit_ids.reshape(n), lse.reshape(n),
-                      (g / temperature).reshape(n), temperature)
+                      rg.g / temperature, temperature,
+                      None if rg.h is None else rg.h / temperature, rg.entropy)
         return (dz.reshape(b, t, vocab),)
 
     return stats, grad

@@ -8,7 +8,8 @@ program:
 - statistics: each program writes its tile's ``(m, S, Q)`` and chosen-logit share into
   ``[N, tiles]`` partials, which :func:`~grpo_kernels.ops.core.online_softmax.reduce_stats`
   merges in XLA (``16 N tiles`` bytes, next to ``2 N V`` read);
-- gradient: each program writes its tile of ``dz = c (onehot(y) - e^{s - lse})``.
+- gradient: each program writes its tile of ``dz = c (onehot(y) - e^{s - lse})`` (and the
+  entropy term of :func:`~grpo_kernels.ops.core.online_softmax.softmax_grad` when the loss has one).
 
 The ragged last ``V mod block_vocab`` columns go through one more call of the same kernel with
 grid ``(N,)``, a masked load and a masked store. Only that call masks, so the full tiles load
@@ -36,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from grpo_kernels.compat import out_struct
-from grpo_kernels.ops.core.online_softmax import block_stats, finish, reduce_stats
+from grpo_kernels.ops.core.online_softmax import block_stats, finish, reduce_stats, softmax_grad
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -90,13 +91,17 @@ def _stats_kernel(x_ref, id_ref, m_ref, s_ref, q_ref, c_ref, *, block_vocab, inv
     c_ref[...] = jnp.sum(jnp.where(cols == id_ref[...], x, 0.0))
 
 
-def _grad_kernel(x_ref, id_ref, lse_ref, coef_ref, *rest, block_vocab, inv_tau, ragged):
-    o_ref = rest[-1]  # an aliased destination, when there is one, comes before it
+def _grad_kernel(x_ref, id_ref, lse_ref, coef_ref, *rest, block_vocab, inv_tau, ragged,
+                 with_entropy):
+    # rest: the entropy term's per-row factor and entropy (with_entropy), an aliased
+    # destination when there is one, and the output last.
+    o_ref = rest[-1]
+    hcoef, ent = (rest[0][...], rest[1][...]) if with_entropy else (None, None)
     vocab = x_ref.shape[0]
     start = _start(block_vocab, ragged, vocab // block_vocab)
     x, cols = _tile(x_ref, start, block_vocab, vocab, ragged, 0.0)
-    p = jnp.exp(x.astype(_F32) * inv_tau - lse_ref[...])
-    d = (coef_ref[...] * jnp.where(cols == id_ref[...], 1.0 - p, -p)).astype(o_ref.dtype)
+    u = x.astype(_F32) * inv_tau - lse_ref[...]
+    d = softmax_grad(u, cols == id_ref[...], coef_ref[...], hcoef, ent).astype(o_ref.dtype)
     if ragged:
         plgpu.store(o_ref.at[pl.ds(start, block_vocab)], d, mask=cols < vocab)
     else:
@@ -145,8 +150,11 @@ def row_statistics(z: Array, ids: Array, temperature: float, blocks: GpuBlocks,
 
 def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: float,
                     blocks: GpuBlocks, interpret: bool = False,
-                    alias_logits: bool = False) -> Array:
-    """``coef (onehot(ids) - exp(z / temperature - lse))`` as ``[N, V]`` in ``z.dtype``.
+                    alias_logits: bool = False, hcoef: Array | None = None,
+                    entropy: Array | None = None) -> Array:
+    """:func:`softmax_grad` of ``u = z / temperature - lse`` as ``[N, V]`` in ``z.dtype``:
+    ``coef (onehot(ids) - exp(u))``, minus ``hcoef exp(u) (u + entropy)`` when ``hcoef`` is
+    given (arguments as the TPU version's).
 
     The full tiles and the ragged tail are two calls writing one buffer. Without aliasing the
     full tiles go first into a fresh output and the tail call writes into it in place; with
@@ -155,7 +163,9 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
     writes it, and no other program touches it).
     """
     n, vocab = z.shape
-    args = (ids.astype(jnp.int32), lse.astype(_F32), coef.astype(_F32))
+    with_entropy = hcoef is not None
+    args = (ids.astype(jnp.int32), lse.astype(_F32), coef.astype(_F32)) + (
+        (hcoef.astype(_F32), entropy.astype(_F32)) if with_entropy else ())
     full, tail = divmod(vocab, blocks.block_vocab)
 
     def call(ragged: bool, src: Array, dst: Array | None, alias: dict[int, int]) -> Array:
@@ -163,10 +173,11 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
         extra = () if dst is None else (dst,)
         return pl.pallas_call(
             functools.partial(_grad_kernel, block_vocab=blocks.block_vocab,
-                              inv_tau=1.0 / temperature, ragged=ragged),
+                              inv_tau=1.0 / temperature, ragged=ragged,
+                              with_entropy=with_entropy),
             grid=_grid(n, vocab, blocks.block_vocab, ragged),
             out_shape=out_struct((n, vocab), z.dtype, z, *args),
-            in_specs=[row, scalar, scalar, scalar] + [row] * len(extra), out_specs=row,
+            in_specs=[row] + [scalar] * len(args) + [row] * len(extra), out_specs=row,
             input_output_aliases=alias, compiler_params=_params(blocks),
             interpret=bool(interpret), name="grpo_tile_gradient",
         )(src, *args, *extra)
@@ -179,5 +190,5 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
         return out
     out = call(order[0], z, None, {})
     if len(order) > 1:
-        out = call(order[1], z, out, {4: 0})
+        out = call(order[1], z, out, {1 + len(args): 0})
     return out

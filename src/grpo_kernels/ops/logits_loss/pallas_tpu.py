@@ -40,6 +40,7 @@ from grpo_kernels.ops.core.online_softmax import (
     block_stats,
     finish,
     merge_stats,
+    softmax_grad,
     sweep,
 )
 
@@ -127,16 +128,17 @@ def _stats_kernel(x_ref, ids_ref, logp_ref, lse_ref, ent_ref, *, block_vocab, in
     logp_ref[...], lse_ref[...], ent_ref[...] = finish(*stats, chosen)
 
 
-def _grad_kernel(x_ref, ids_ref, lse_ref, coef_ref, o_ref, *, block_vocab, inv_tau):
+def _grad_kernel(x_ref, ids_ref, lse_ref, coef_ref, *rest, block_vocab, inv_tau):
+    o_ref = rest[-1]  # rest: (hcoef_ref, ent_ref) with the entropy term, then the output
     rows, vocab = x_ref.shape
     ids, lse, coef = ids_ref[...], lse_ref[...], coef_ref[...]
+    hcoef, ent = (rest[0][...], rest[1][...]) if len(rest) == 3 else (None, None)
 
     def tile(start, width, carry):
         x = x_ref[:, pl.ds(start, width)].astype(_F32) * inv_tau
-        p = jnp.exp(x - lse)
         cols = start + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)
-        o_ref[:, pl.ds(start, width)] = (
-            coef * jnp.where(cols == ids, 1.0 - p, -p)).astype(o_ref.dtype)
+        o_ref[:, pl.ds(start, width)] = softmax_grad(
+            x - lse, cols == ids, coef, hcoef, ent).astype(o_ref.dtype)
         return carry
 
     _vocab_tiles(vocab, block_vocab, tile, 0)
@@ -201,12 +203,16 @@ def row_statistics(z: Array, ids: Array, temperature: float, blocks: TpuBlocks,
 
 def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: float,
                     blocks: TpuBlocks, interpret: bool = False,
-                    alias_logits: bool = False) -> Array:
-    """``coef (onehot(ids) - exp(z / temperature - lse))`` as ``[N, V]`` in ``z.dtype``.
+                    alias_logits: bool = False, hcoef: Array | None = None,
+                    entropy: Array | None = None) -> Array:
+    """:func:`softmax_grad` of ``u = z / temperature - lse`` as ``[N, V]`` in ``z.dtype``:
+    ``coef (onehot(ids) - exp(u))``, minus ``hcoef exp(u) (u + entropy)`` with ``hcoef``.
 
     Args:
       z: ``[N, V]`` logits.
       ids, lse, coef: ``[N]`` int32 ids, float32 logsumexp, float32 per-row factor.
+      hcoef, entropy: ``[N]`` float32 factor of the entropy term and the rows' entropies, or
+        ``None`` (no entropy term: the kernel reads neither).
       temperature, blocks, interpret: as :func:`row_statistics`.
       alias_logits: Write dlogits into the logits' buffer (``input_output_aliases``) when
         ``N`` is a multiple of ``blocks.block_rows``; XLA only avoids a copy when the logits
@@ -215,13 +221,15 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
     n, vocab = z.shape
     cols = [ids.astype(jnp.int32).reshape(n, 1), lse.astype(_F32).reshape(n, 1),
             coef.astype(_F32).reshape(n, 1)]
+    if hcoef is not None:
+        cols += [hcoef.astype(_F32).reshape(n, 1), entropy.astype(_F32).reshape(n, 1)]
     kernel = functools.partial(_grad_kernel, block_vocab=blocks.block_vocab,
                                inv_tau=1.0 / temperature)
 
     def call(zz, per_row, rows, grid, out_rows, alias):
         return pl.pallas_call(
             kernel, grid=(grid,), out_shape=out_struct((out_rows, vocab), z.dtype, zz, *per_row),
-            in_specs=[_row_spec(rows, vocab)] + [_row_spec(rows, 1)] * 3,
+            in_specs=[_row_spec(rows, vocab)] + [_row_spec(rows, 1)] * len(per_row),
             out_specs=_row_spec(rows, vocab),
             input_output_aliases={0: 0} if alias else {},
             compiler_params=_compiler_params(blocks), interpret=_interpret_arg(interpret),

@@ -42,9 +42,16 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.objective import RowGrad
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import cast_to
-from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, sweep
+from grpo_kernels.ops.core.online_softmax import (
+    block_stats,
+    finish,
+    merge_stats,
+    softmax_grad,
+    sweep,
+)
 from grpo_kernels.ops.core.options import check_int
 from grpo_kernels.ops.core.vjp import loss_with_gradient
 
@@ -192,16 +199,20 @@ def row_statistics(
     return finish(*stats)
 
 
-def logits_gradient(z: Array, ids: Array, lse: Array, g: Array, temperature: float) -> Array:
-    r"""``dL/dz = (g / tau) (onehot(ids) - exp(z / tau - lse))`` in the dtype of ``z [..., V]``.
+def logits_gradient(z: Array, ids: Array, lse: Array, grad: RowGrad,
+                    temperature: float) -> Array:
+    r"""``dL/dz`` in the dtype of ``z [..., V]``: :func:`softmax_grad` of ``u = z / tau - lse``
+    with the row factors of ``grad`` over ``tau``; without an entropy term,
+    ``(g / tau) (onehot(ids) - exp(u))``.
 
-    ``ids``, ``lse`` and ``g`` have the shape of ``z`` without its last axis. A single
-    elementwise expression: XLA fuses it (and any later scaling) into one kernel.
+    ``ids``, ``lse`` and ``grad``'s arrays have the shape of ``z`` without its last axis. A
+    single elementwise expression: XLA fuses it (and any later scaling) into one kernel.
     """
-    scale = (g / temperature)[..., None]
-    p = jnp.exp(z.astype(_F32) / temperature - lse[..., None])
+    row = grad.map(lambda x: x[..., None])
+    u = z.astype(_F32) / temperature - lse[..., None]
     hit = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) == ids[..., None]
-    return cast_to(jnp.where(hit, scale * (1.0 - p), -scale * p), z.dtype)
+    hcoef = None if row.h is None else row.h / temperature
+    return cast_to(softmax_grad(u, hit, row.g / temperature, hcoef, row.entropy), z.dtype)
 
 
 def _forward(logits, batch: TokenBatch, with_grad: bool, *, config: GRPOLossConfig,
@@ -210,8 +221,9 @@ def _forward(logits, batch: TokenBatch, with_grad: bool, *, config: GRPOLossConf
     ids = batch.clamped_ids(vocab)
     logp, lse, entropy = row_statistics(logits, ids.reshape(-1), config.temperature, rows, block_v)
     logp, lse, entropy = logp.reshape(b, t), lse.reshape(b, t), entropy.reshape(b, t)
-    loss, metrics, g = batch.loss(logp, entropy, config, with_grad)
-    dlogits = None if g is None else logits_gradient(logits, ids, lse, g, config.temperature)
+    loss, metrics, grad = batch.loss(logp, entropy, config, with_grad)
+    dlogits = None if grad is None else logits_gradient(logits, ids, lse, grad,
+                                                        config.temperature)
     return (loss, metrics), dlogits
 
 
@@ -238,8 +250,9 @@ def pieces(shape: tuple[int, ...], options: XlaBlockSizes | None, temperature: f
     vocabulary shard):
 
     ``stats((z,), ids)`` gives the ``[B, T]`` ``(logp, lse, entropy)`` of the block's columns;
-    ``grad((z,), hit_ids, lse, g)`` the block's ``(dz,)`` given the whole row's ``lse`` and
-    ``g = dL/dlogp`` (an id of ``-1`` hits no column). See :mod:`grpo_kernels.sharding`.
+    ``grad((z,), hit_ids, lse, grad)`` the block's ``(dz,)`` given the whole row's ``lse`` and
+    :class:`~grpo_kernels.objective.RowGrad` (an id of ``-1`` hits no column). See
+    :mod:`grpo_kernels.sharding`.
     """
     b, t, vocab = shape
     rows, block_v = plan_blocks(b * t, vocab, options or XlaBlockSizes(), jax.default_backend())
@@ -248,7 +261,7 @@ def pieces(shape: tuple[int, ...], options: XlaBlockSizes | None, temperature: f
         out = row_statistics(primals[0], ids.reshape(-1), temperature, rows, block_v)
         return tuple(x.reshape(b, t) for x in out)
 
-    def grad(primals, hit_ids, lse, g):
-        return (logits_gradient(primals[0], hit_ids, lse, g, temperature),)
+    def grad(primals, hit_ids, lse, row_grad):
+        return (logits_gradient(primals[0], hit_ids, lse, row_grad, temperature),)
 
     return stats, grad

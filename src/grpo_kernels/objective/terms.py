@@ -1,8 +1,4 @@
-r"""The GRPO objective on per-token log-probabilities ``[B, T]``.
-
-Every implementation of the loss (reference, chunked XLA, Pallas, fused LM head) reduces the
-vocabulary to per-token statistics and then calls the functions here, so the math lives in one
-place. All inputs are upcast to float32.
+r"""The GRPO objective's terms on per-token log-probabilities ``[B, T]``.
 
 Notation, for sequence ``b`` and position ``t`` with mask :math:`m_{bt} \in \{0, 1\}`:
 
@@ -20,7 +16,10 @@ default: :math:`e^{\rho - \log\pi} - (\rho - \log\pi) - 1`). The loss is
 :math:`L = \sum_{bt} w_{bt} \ell_{bt}` with the weights of :func:`token_weights`. Options beyond
 TRL's (tunix's dual clip, log-ratio clamps, sampler weights, KL estimators and aggregations) are
 described where they act: :func:`log_importance_ratio`, :func:`kl_divergence`,
-:func:`token_terms`, :func:`token_weights`.
+:func:`token_terms`, :func:`token_weights`. TRL's newer options (the CISPO, SAPO, VESPO and LUSPO
+losses, the sampler correction, the off-policy sequence mask, the KL bias correction, the entropy
+bonus and high-entropy token selection) act in :func:`policy_term` and :func:`policy_factors`, with the
+factors of :mod:`grpo_kernels.objective.factors`; docs/loss.md writes each out.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.objective import factors as lw
 
 Array = jax.Array
 
@@ -43,8 +43,19 @@ sharded loss equals the one-device loss.
 """
 
 
+BatchGather = Callable[[Array], Array]
+"""Maps this device's rows (axis 0) to the whole batch's rows: the identity on one device,
+``all_gather`` over the batch axes inside ``shard_map``. Only the batch-wide entropy quantile
+(:func:`entropy_mask`) needs it."""
+
+
 def _local(x: Array) -> Array:
     return x
+
+
+_sg = jax.lax.stop_gradient
+# Loss types normalised like dapo (a sum over num_items_in_batch), as in TRL.
+_DAPO_NORMALISED = ("dapo", "cispo", "vespo")
 
 
 def _f32(x: Any) -> Array:
@@ -72,6 +83,9 @@ def token_weights(
     - ``dr_grpo``: :math:`w_{bt} = m_{bt} / (B \cdot \text{max\_completion\_length})`
     - ``dapo``:    :math:`w_{bt} = m_{bt} / \text{num\_items\_in\_batch}`
       (default :math:`\max(N, 1)`)
+    - ``sapo`` as ``grpo``; ``cispo`` and ``vespo`` as ``dapo``
+    - ``luspo``:   :math:`w_{bt} = n_b / (B\,T)` at *every* position, padding included: TRL's
+      ``(per_token_loss * mask.sum(1, keepdim=True)).mean()``, which Liger-Kernel matches
 
     or, when ``config.loss_agg_mode`` is set, by tunix's aggregation (replacing the above):
 
@@ -94,8 +108,11 @@ def token_weights(
     mask = _f32(mask)
     if config.loss_agg_mode is not None:
         return _tunix_weights(mask, config.loss_agg_mode, batch_sum)
-    if config.loss_type == "grpo":
+    if config.loss_type in ("grpo", "sapo"):
         return mask / (jnp.maximum(_row_counts(mask), 1.0) * batch_sum(_f32(mask.shape[0])))
+    if config.loss_type == "luspo":
+        rows = batch_sum(_f32(mask.shape[0])) * float(mask.shape[-1])
+        return jnp.broadcast_to(_row_counts(mask) / rows, mask.shape)
     if config.loss_type == "dr_grpo":
         return mask / (batch_sum(_f32(mask.shape[0])) * float(config.max_completion_length))
     if config.loss_type == "bnpo" or num_items_in_batch is None:
@@ -121,6 +138,14 @@ def _tunix_weights(mask: Array, mode: str, batch_sum: BatchSum) -> Array:
     return mask / rows  # seq-mean-token-sum, sequence-mean-token-sum-norm
 
 
+def _clamped_diff(logp: Array, old_logp: Array, config: GRPOLossConfig) -> Array:
+    """``logp - old_logp``, clamped to ``[-c, c]`` when ``config.log_ratio_clamp`` is ``c``."""
+    diff = _f32(logp) - _f32(old_logp)
+    if config.log_ratio_clamp is not None:
+        diff = jnp.clip(diff, -config.log_ratio_clamp, config.log_ratio_clamp)
+    return diff
+
+
 def log_importance_ratio(logp: Array, old_logp: Array, mask: Array,
                          config: GRPOLossConfig) -> Array:
     r"""Log importance ratio ``r``, ``[B, T]``.
@@ -137,9 +162,7 @@ def log_importance_ratio(logp: Array, old_logp: Array, mask: Array,
     gradient past the cap).
     """
     logp = _f32(logp)
-    diff = logp - _f32(old_logp)
-    if config.log_ratio_clamp is not None:
-        diff = jnp.clip(diff, -config.log_ratio_clamp, config.log_ratio_clamp)
+    diff = _clamped_diff(logp, old_logp, config)
     level = config.importance_sampling_level
     if level == "token":
         return diff
@@ -175,6 +198,76 @@ def kl_divergence(logp: Array, ref_logp: Array, config: GRPOLossConfig) -> Array
     return kl
 
 
+def policy_factors(logp: Array, old: Array, mask: Array, advantages: Array,
+                   config: GRPOLossConfig, sampler_logps: Array | None = None,
+                   entropy: Array | None = None, batch_gather: BatchGather = _local,
+                   ) -> tuple[Array | None, Array | None]:
+    r"""``(scale, phi)``: what TRL's newer options put on the policy term, without gradient.
+
+    ``scale`` multiplies the per-token policy term: the product of the off-policy sequence mask
+    (:func:`~grpo_kernels.loss_weights.off_policy_mask`), the high-entropy token mask
+    (:func:`~grpo_kernels.loss_weights.entropy_mask`) and the sampler correction
+    :math:`\rho` (:func:`~grpo_kernels.loss_weights.sampler_ratio`; VESPO folds it into
+    ``phi`` instead), or ``None`` when none is on. ``phi``: VESPO's weight, else ``None``.
+    ``old``: the old log-probs (``sg(logp)`` on-policy); ``advantages``: ``[B, 1]``.
+    """
+    factors, phi, rho = [], None, None
+    if config.sampler_correction is not None:
+        if sampler_logps is None:
+            raise ValueError(f"sampler_correction={config.sampler_correction!r} needs "
+                             "sampler_logps ([B, T] log-probs of the sampler), got None")
+        rho = lw.sampler_ratio(old, sampler_logps, mask, config)
+    if config.off_policy_mask_threshold is not None:
+        behaviour = old if sampler_logps is None else sampler_logps
+        factors.append(lw.off_policy_mask(logp, behaviour, mask, advantages,
+                                          config.off_policy_mask_threshold))
+    if config.top_entropy_quantile < 1.0:
+        factors.append(lw.entropy_mask(entropy, mask, config, batch_gather))
+    if config.loss_type == "vespo":
+        diff = _clamped_diff(logp, old, config)
+        phi = lw.vespo_weights(diff, mask, advantages, config, rho)
+    elif rho is not None:
+        factors.append(rho)
+    scale = None
+    for f in factors:
+        scale = f if scale is None else scale * f
+    return scale, phi
+
+
+def policy_term(logp: Array, log_ratio: Array, advantages: Array, config: GRPOLossConfig,
+                phi: Array | None = None) -> tuple[Array, Array, Array]:
+    r"""``(p, c_1, c_2)``: the per-token policy loss of ``config.loss_type`` (TRL's) and the
+    ratios TRL's clip metrics use. With :math:`c = e^{r}`:
+
+    - clipped (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``):
+      :math:`c_1 = \min(c, \delta)`, :math:`c_2 = \mathrm{clip}(c, 1 - \epsilon_{low},
+      1 + \epsilon_{high})`, :math:`p = -\min(c_1 A, c_2 A)`; with the dual clip ``c_d``
+      (tunix's), :math:`p = \min(p, -c_d A)` where :math:`A < 0`;
+    - ``cispo``: :math:`p = -\mathrm{sg}(\min(c, \epsilon_{high}))\,A \log\pi`;
+    - ``sapo``: :math:`p = -\frac{4}{\tau_A}\sigma(\tau_A (c - 1))\,A` with
+      :math:`\tau_A` = ``sapo_temperature_pos`` where :math:`A > 0`, else ``_neg``;
+    - ``vespo``: :math:`p = -\phi\,A \log\pi` (``phi`` of
+      :func:`~grpo_kernels.loss_weights.vespo_weights`).
+    """
+    a = _f32(advantages)
+    coef_1 = jnp.exp(_f32(log_ratio))
+    coef_2 = jnp.clip(coef_1, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
+    kind = config.loss_type
+    if kind == "cispo":
+        return -_sg(jnp.minimum(coef_1, config.epsilon_high)) * a * _f32(logp), coef_1, coef_2
+    if kind == "sapo":
+        tau = jnp.where(a > 0, config.sapo_temperature_pos, config.sapo_temperature_neg)
+        return -(jax.nn.sigmoid(tau * (coef_1 - 1.0)) * 4.0 / tau) * a, coef_1, coef_2
+    if kind == "vespo":
+        return -phi * a * _f32(logp), coef_1, coef_2
+    if config.delta is not None:
+        coef_1 = jnp.minimum(coef_1, config.delta)
+    policy = -jnp.minimum(coef_1 * a, coef_2 * a)
+    if config.dual_clip is not None:
+        policy = jnp.where(a < 0, jnp.minimum(policy, -config.dual_clip * a), policy)
+    return policy, coef_1, coef_2
+
+
 def token_terms(
     logp: Array,
     log_ratio: Array,
@@ -182,16 +275,14 @@ def token_terms(
     config: GRPOLossConfig,
     ref_logp: Array | None = None,
     sampler_weights: Array | None = None,
+    scale: Array | None = None,
+    phi: Array | None = None,
 ) -> dict[str, Array | None]:
     r"""The per-token pieces of the loss, every one of shape ``S`` (``logp``'s).
 
-    .. math::
-
-        c_1 = \min(e^{r}, \delta), \quad c_2 = \mathrm{clip}(e^{r}, 1 - \epsilon_{low},
-        1 + \epsilon_{high}), \quad p = -\min(c_1 A, c_2 A)
-
-    then, with the dual clip ``c`` (``config.dual_clip``), :math:`p = \min(p, -cA)` where
-    :math:`A < 0`; and :math:`p \leftarrow s\,p` with the sampler weights ``s``.
+    The policy term :math:`p` of :func:`policy_term`, times ``scale`` (:func:`policy_factors`)
+    and the sampler weights ``s`` (tunix's); the KL of :func:`kl_divergence`, times the
+    unclipped ratio :math:`e^r` with ``kl_bias_correction``.
 
     Args:
       logp: Current policy log-probs of the chosen tokens.
@@ -200,23 +291,20 @@ def token_terms(
       config: Loss options.
       ref_logp: Reference-policy log-probs; required when ``beta > 0``.
       sampler_weights: Optional per-token weights of the policy term (not of the KL term).
+      scale, phi: Of :func:`policy_factors`.
 
     Returns:
-      ``policy`` (``p``), ``kl`` (:func:`kl_divergence`, ``None`` without ``ref_logp``),
-      ``coef_1`` (``c_1``, TRL's clip metrics use it) and ``coef_2``.
+      ``policy`` (``p``), ``kl`` (``None`` without ``ref_logp``), ``coef_1`` (``c_1``, TRL's
+      clip metrics use it) and ``coef_2``.
     """
-    advantages = _f32(advantages)
-    coef_1 = jnp.exp(_f32(log_ratio))
-    coef_2 = jnp.clip(coef_1, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
-    if config.delta is not None:
-        coef_1 = jnp.minimum(coef_1, config.delta)
-    policy = -jnp.minimum(coef_1 * advantages, coef_2 * advantages)
-    if config.dual_clip is not None:
-        policy = jnp.where(advantages < 0,
-                           jnp.minimum(policy, -config.dual_clip * advantages), policy)
+    policy, coef_1, coef_2 = policy_term(logp, log_ratio, advantages, config, phi)
+    if scale is not None:
+        policy = policy * scale
     if sampler_weights is not None:
         policy = policy * _f32(sampler_weights)
     kl = None if ref_logp is None else kl_divergence(logp, ref_logp, config)
+    if kl is not None and config.kl_bias_correction:
+        kl = kl * jnp.exp(_f32(log_ratio))
     return {"policy": policy, "kl": kl, "coef_1": coef_1, "coef_2": coef_2}
 
 
@@ -242,8 +330,16 @@ def grpo_objective(
     num_items_in_batch: Array | float | None = None,
     batch_sum: BatchSum = _local,
     sampler_weights: Array | None = None,
+    entropy: Array | None = None,
+    sampler_logps: Array | None = None,
+    batch_gather: BatchGather = _local,
 ) -> tuple[Array, dict[str, Array]]:
-    """The scalar GRPO loss as a function of the chosen-token log-probs.
+    r"""The scalar GRPO loss as a function of the chosen-token log-probs and entropies.
+
+    :math:`L = \sum_{bt} w_{bt} \ell_{bt} - \text{entropy\_coef} \sum_{bt} u_{bt} H_{bt}`
+    with :math:`\ell` of :func:`token_terms`, :math:`w` of :func:`token_weights` and :math:`u`
+    of :func:`~grpo_kernels.loss_weights.entropy_weights` (the bonus only when
+    ``entropy_coef != 0``).
 
     Args:
       logp: ``[B, T]`` log-probs of the chosen tokens under the current policy.
@@ -256,6 +352,9 @@ def grpo_objective(
       num_items_in_batch: The ``dapo`` normaliser.
       batch_sum: Local sum -> whole-batch sum (see :data:`BatchSum`).
       sampler_weights: Optional ``[B, T]`` weights of each token's policy term.
+      entropy: ``[B, T]`` entropies; needed by ``entropy_coef`` and ``top_entropy_quantile``.
+      sampler_logps: ``[B, T]`` sampler log-probs; needed by ``sampler_correction``.
+      batch_gather: This device's rows -> the whole batch's (see :data:`BatchGather`).
 
     Returns:
       ``(loss, aux)``: ``aux`` holds the ``[B, T]`` ``coef_1`` and ``kl`` for the metrics and
@@ -263,136 +362,18 @@ def grpo_objective(
       ``beta``; zero without ``ref_logps``).
     """
     logp = _f32(logp)
-    old = jax.lax.stop_gradient(logp) if old_logps is None else _f32(old_logps)
+    adv = _f32(advantages)[:, None]
+    old = _sg(logp) if old_logps is None else _f32(old_logps)
     log_ratio = log_importance_ratio(logp, old, mask, config)
-    terms = token_terms(logp, log_ratio, _f32(advantages)[:, None], config, ref_logps,
-                        sampler_weights)
+    scale, phi = policy_factors(logp, old, mask, adv, config, sampler_logps, entropy,
+                                batch_gather)
+    terms = token_terms(logp, log_ratio, adv, config, ref_logps, sampler_weights, scale, phi)
     weights = token_weights(mask, config, num_items_in_batch, batch_sum)
     loss, policy_loss, kl_loss = weighted_loss(weights, terms, config, batch_sum)
+    if config.entropy_coef != 0:
+        selected = (lw.entropy_mask(entropy, mask, config, batch_gather)
+                    if config.top_entropy_quantile < 1.0 else None)
+        u = lw.entropy_weights(mask, config, num_items_in_batch, batch_sum, selected)
+        loss = loss - config.entropy_coef * batch_sum(jnp.sum(u * _f32(entropy)))
     return loss, {"coef_1": terms["coef_1"], "kl": terms["kl"], "policy_loss": policy_loss,
                   "kl_loss": kl_loss}
-
-
-def masked_mean(x: Array, mask: Array, batch_sum: BatchSum = _local) -> Array:
-    """``sum(x * mask) / max(sum(mask), 1)``: zero, never NaN, for an all-zero mask."""
-    mask = _f32(mask)
-    return batch_sum(jnp.sum(_f32(x) * mask)) / jnp.maximum(batch_sum(jnp.sum(mask)), 1.0)
-
-
-def loss_metrics(
-    logp: Array,
-    entropy: Array,
-    aux: dict[str, Array],
-    mask: Array,
-    advantages: Array,
-    config: GRPOLossConfig,
-    batch_sum: BatchSum = _local,
-) -> dict[str, Array]:
-    """Metrics reported beside the loss (TRL's definitions), all without gradient.
-
-    Means are over the whole batch (``batch_sum``, see :data:`BatchSum`):
-
-    - ``logp`` and ``token_entropy``: ``[B, T]`` per-token log-probs of the chosen tokens and
-      entropies of ``softmax(z / temperature)``.
-    - ``clip_ratio_low``: share with ``coef_1 < 1 - eps_low`` and ``A < 0``;
-      ``clip_ratio_high``: ``coef_1 > 1 + eps_high`` and ``A > 0``; ``clip_ratio_region``:
-      either. Token level: masked token mean; sequence levels: mean over sequences.
-    - ``kl``: masked token mean of the per-token KL (0 when no ``ref_logps`` were given).
-    - ``entropy``: masked token mean of ``token_entropy``.
-    - ``policy_loss`` and ``kl_loss``: the two parts of the loss
-      (``loss = policy_loss + beta * kl_loss``).
-    """
-    sg = jax.lax.stop_gradient
-    coef_1 = sg(aux["coef_1"])
-    adv = _f32(advantages)[:, None]
-    low = ((coef_1 < 1.0 - config.epsilon_low) & (adv < 0)).astype(jnp.float32)
-    high = ((coef_1 > 1.0 + config.epsilon_high) & (adv > 0)).astype(jnp.float32)
-    region = jnp.maximum(low, high)
-    if config.importance_sampling_level != "token":
-        def clip_mean(x):
-            return batch_sum(jnp.sum(x[:, 0])) / jnp.maximum(batch_sum(_f32(x.shape[0])), 1.0)
-    else:
-        def clip_mean(x):
-            return masked_mean(x, mask, batch_sum)
-    kl = aux["kl"]
-    return {
-        "logp": sg(_f32(logp)),
-        "token_entropy": sg(_f32(entropy)),
-        "clip_ratio_low": clip_mean(low),
-        "clip_ratio_high": clip_mean(high),
-        "clip_ratio_region": clip_mean(region),
-        "kl": jnp.float32(0.0) if kl is None else masked_mean(sg(kl), mask, batch_sum),
-        "entropy": masked_mean(sg(entropy), mask, batch_sum),
-        "policy_loss": sg(aux["policy_loss"]),
-        "kl_loss": sg(aux["kl_loss"]),
-    }
-
-
-def loss_from_token_stats(
-    logp: Array,
-    entropy: Array,
-    mask: Array,
-    advantages: Array,
-    config: GRPOLossConfig,
-    old_logp: Array | None = None,
-    ref_logp: Array | None = None,
-    num_items_in_batch: Array | None = None,
-    with_grad: bool = True,
-    sampler_weights: Array | None = None,
-    batch_sum: BatchSum = _local,
-) -> tuple[Array, dict[str, Array], Array | None]:
-    r"""``(loss, metrics, g)`` from the ``[B, T]`` log-probs and entropies of an implementation.
-
-    ``g = \partial L / \partial \log\pi`` (``[B, T]`` float32, ``None`` without ``with_grad``)
-    is what the fast implementations turn into dlogits.
-    """
-
-    def objective(lp):
-        return grpo_objective(lp, mask, advantages, config, old_logp, ref_logp,
-                              num_items_in_batch, batch_sum, sampler_weights)
-
-    g = None
-    if with_grad:
-        (loss, aux), g = jax.value_and_grad(objective, has_aux=True)(logp)
-    else:
-        loss, aux = objective(logp)
-    return loss, loss_metrics(logp, entropy, aux, mask, advantages, config, batch_sum), g
-
-
-def token_separable(config: GRPOLossConfig) -> bool:
-    """Whether ``dL/dlogp`` of a token depends on that token's inputs alone.
-
-    True at token-level importance sampling: the weights of :func:`token_weights` depend only on
-    the mask (and ``num_items_in_batch``), so ``L = sum_bt w_bt l(logp_bt)`` separates. At
-    the sequence levels the ratio of a token depends on the log-probs of its whole sequence.
-    """
-    return config.importance_sampling_level == "token"
-
-
-def token_loss_grad(
-    logp: Array,
-    weights: Array,
-    advantages: Array,
-    config: GRPOLossConfig,
-    old_logp: Array | None = None,
-    ref_logp: Array | None = None,
-    sampler_weights: Array | None = None,
-) -> Array:
-    r"""``g = \partial L / \partial \log\pi`` for any subset of tokens, token level only.
-
-    With :math:`L = \sum_{bt} w_{bt} \ell_{bt}` and :math:`\ell_{bt}` a function of
-    :math:`\log\pi_{bt}` alone (see :func:`token_separable`),
-    :math:`g_{bt} = w_{bt}\,\partial\ell_{bt}/\partial\log\pi_{bt}`: every argument is a
-    per-token array of one shape (a chunk of flattened tokens), and the result has that shape.
-    """
-    if not token_separable(config):
-        raise ValueError("token_loss_grad needs importance_sampling_level='token', got "
-                         f"{config.importance_sampling_level!r}")
-
-    def total(lp):
-        old = jax.lax.stop_gradient(lp) if old_logp is None else _f32(old_logp)
-        ratio = log_importance_ratio(lp, old, None, config)
-        terms = token_terms(lp, ratio, advantages, config, ref_logp, sampler_weights)
-        return weighted_loss(_f32(weights), terms, config)[0]
-
-    return jax.grad(total)(_f32(logp))

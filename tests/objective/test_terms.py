@@ -1,4 +1,5 @@
-"""objective: the per-token weights, the KL estimator and the per-token gradient."""
+"""objective.terms: the per-token weights, the KL estimator, the policy terms and the per-token
+gradient."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from grpo_kernels.objective import (
     kl_divergence,
     kl_k3,
     masked_mean,
+    policy_term,
     token_loss_grad,
     token_separable,
     token_terms,
@@ -58,7 +60,7 @@ def test_token_loss_grad_equals_autodiff_of_the_objective(beta, delta):
 def test_sequence_level_is_not_token_separable():
     cfg = GRPOLossConfig(importance_sampling_level="sequence")
     assert not token_separable(cfg)
-    with pytest.raises(ValueError, match="importance_sampling_level='token'"):
+    with pytest.raises(ValueError, match="token-separable"):
         token_loss_grad(jnp.zeros(3), jnp.ones(3), jnp.ones(3), cfg)
 
 
@@ -145,3 +147,55 @@ def test_gspo_token_gradient_formula_with_sampler_weights():
         want = w * np.asarray(sampler, np.float64) * dp_dr
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-8)
         assert (np.abs(want).max(-1) > 0).sum() == (2 if cap is None else 1)
+
+
+def test_new_loss_types_weights():
+    """sapo aggregates as grpo; cispo and vespo as dapo; luspo weights every position of a row
+    by the row's length over B T (TRL's mean over all positions)."""
+    def weights(loss_type, **kw):
+        return np.asarray(token_weights(MASK, GRPOLossConfig(loss_type=loss_type), **kw))
+
+    np.testing.assert_allclose(weights("sapo"), weights("grpo"))
+    for lt in ("cispo", "vespo"):
+        np.testing.assert_allclose(weights(lt, num_items_in_batch=8.0),
+                                   weights("dapo", num_items_in_batch=8.0))
+    np.testing.assert_allclose(weights("luspo"), np.array([[3] * 4, [1] * 4, [0] * 4]) / 12)
+
+
+def test_policy_terms_of_the_new_loss_types():
+    logp = jnp.array([-1.0, -2.0, -0.5, -1.5])
+    log_ratio = jnp.log(jnp.array([1.3, 0.6, 6.0, 1.0]))
+    adv = jnp.array([1.0, -1.0, 2.0, -0.5])
+    c = np.array([1.3, 0.6, 6.0, 1.0])
+    a, lp = np.asarray(adv, np.float64), np.asarray(logp, np.float64)
+    cispo = policy_term(logp, log_ratio, adv, GRPOLossConfig(loss_type="cispo",
+                                                             epsilon_high=5.0))[0]
+    np.testing.assert_allclose(cispo, -np.minimum(c, 5.0) * a * lp, rtol=1e-6)
+    cfg = GRPOLossConfig(loss_type="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=2.0)
+    tau = np.where(a > 0, 1.0, 2.0)
+    want = -(4 / tau) / (1 + np.exp(-tau * (c - 1))) * a
+    np.testing.assert_allclose(policy_term(logp, log_ratio, adv, cfg)[0], want, rtol=1e-6)
+    phi = jnp.array([0.5, 2.0, 1.0, 0.0])
+    vespo = policy_term(logp, log_ratio, adv, GRPOLossConfig(loss_type="vespo"), phi)[0]
+    np.testing.assert_allclose(vespo, -np.asarray(phi) * a * lp, rtol=1e-6)
+
+
+def test_kl_bias_correction_multiplies_by_the_unclipped_ratio():
+    logp, ref = jnp.array([-1.0, -2.0]), jnp.array([-1.2, -1.5])
+    log_ratio = jnp.log(jnp.array([3.0, 0.5]))
+    cfg = GRPOLossConfig(beta=0.1, kl_bias_correction=True, delta=1.5)
+    terms = token_terms(logp, log_ratio, jnp.ones(2), cfg, ref)
+    np.testing.assert_allclose(terms["kl"], kl_k3(logp, ref) * np.array([3.0, 0.5]), rtol=1e-6)
+
+
+def test_entropy_bonus_is_the_masked_token_mean():
+    """loss(entropy_coef=c) = loss(0) - c * mean entropy over the masked tokens."""
+    k = jax.random.split(jax.random.PRNGKey(8), 3)
+    logp = -jnp.abs(jax.random.normal(k[0], MASK.shape))
+    ent = jnp.abs(jax.random.normal(k[1], MASK.shape)) + 1.0
+    adv = jax.random.normal(k[2], (MASK.shape[0],))
+    base = grpo_objective(logp, MASK, adv, GRPOLossConfig(), entropy=ent)[0]
+    got = grpo_objective(logp, MASK, adv, GRPOLossConfig(entropy_coef=0.3), entropy=ent)[0]
+    m = np.asarray(MASK, np.float64)
+    mean = (np.asarray(ent, np.float64) * m).sum() / m.sum()
+    np.testing.assert_allclose(float(got), float(base) - 0.3 * mean, rtol=1e-6)

@@ -1,0 +1,165 @@
+r"""The objective's derivatives w.r.t. the per-token statistics, as the fast implementations
+need them: :math:`g = \partial L / \partial \log\pi` and :math:`h = \partial L / \partial H`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.objective import factors as lw
+from grpo_kernels.objective.metrics import loss_metrics
+from grpo_kernels.objective.terms import (
+    BatchGather,
+    BatchSum,
+    _f32,
+    _local,
+    grpo_objective,
+    log_importance_ratio,
+    policy_factors,
+    token_terms,
+    weighted_loss,
+)
+
+Array = jax.Array
+
+
+class RowGrad(NamedTuple):
+    r"""What a fast implementation needs to form dlogits, per token (any one shape).
+
+    .. math::
+
+        \frac{\partial L}{\partial s_v} = g\,\mathbb{1}[v = y]
+          - p_v\,\big(g + h\,(s_v - \mathrm{lse} + H)\big),
+        \qquad s = z / \tau,\ p = \mathrm{softmax}(s)
+
+    (the second part is :math:`h\,\partial H / \partial s_v`;
+    :func:`grpo_kernels.ops.core.online_softmax.softmax_grad` writes it).
+
+    Attributes:
+      g: :math:`\partial L / \partial \log\pi(y)`, float32.
+      h: :math:`\partial L / \partial H`, or ``None`` when the loss does not depend on the
+        entropy (``entropy_coef == 0``): the term is then left out, not multiplied by zero.
+      entropy: :math:`H` of each row (needed with ``h``), else ``None``.
+    """
+
+    g: Array
+    h: Array | None = None
+    entropy: Array | None = None
+
+    def map(self, fn) -> "RowGrad":
+        """``fn`` applied to every array (a reshape, a slice of rows)."""
+        return RowGrad(*(None if x is None else fn(x) for x in self))
+
+    def scaled(self, c: Array) -> "RowGrad":
+        """``g`` and ``h`` times ``c`` (a loss cotangent); ``H`` unchanged."""
+        return RowGrad(self.g * c, None if self.h is None else self.h * c, self.entropy)
+
+
+def loss_from_token_stats(
+    logp: Array,
+    entropy: Array,
+    mask: Array,
+    advantages: Array,
+    config: GRPOLossConfig,
+    old_logp: Array | None = None,
+    ref_logp: Array | None = None,
+    num_items_in_batch: Array | None = None,
+    with_grad: bool = True,
+    sampler_weights: Array | None = None,
+    batch_sum: BatchSum = _local,
+    sampler_logps: Array | None = None,
+    batch_gather: BatchGather = _local,
+) -> tuple[Array, dict[str, Array], RowGrad | None]:
+    r"""``(loss, metrics, grad)`` from the ``[B, T]`` log-probs and entropies of an
+    implementation.
+
+    ``grad`` (``None`` without ``with_grad``) holds :math:`g = \partial L / \partial \log\pi`
+    and, when ``entropy_coef != 0``, :math:`h = \partial L / \partial H` with ``entropy``:
+    what the fast implementations turn into dlogits.
+    """
+    with_entropy = config.entropy_coef != 0
+
+    def objective(lp, ent):
+        return grpo_objective(lp, mask, advantages, config, old_logp, ref_logp,
+                              num_items_in_batch, batch_sum, sampler_weights, ent,
+                              sampler_logps, batch_gather)
+
+    grad = None
+    ent = _f32(entropy)
+    if with_grad:
+        argnums = (0, 1) if with_entropy else 0
+        (loss, aux), d = jax.value_and_grad(objective, argnums, has_aux=True)(_f32(logp), ent)
+        grad = RowGrad(d[0], d[1], ent) if with_entropy else RowGrad(d)
+    else:
+        loss, aux = objective(logp, ent)
+    return loss, loss_metrics(logp, entropy, aux, mask, advantages, config, batch_sum), grad
+
+
+def token_separable(config: GRPOLossConfig) -> bool:
+    """Whether ``dL/dlogp`` (and ``dL/dH``) of a token depends on that token's inputs alone.
+
+    True at token-level importance sampling when no option looks at other tokens: the weights
+    of :func:`~grpo_kernels.objective.terms.token_weights` and of the entropy bonus depend
+    only on the mask (and ``num_items_in_batch``), so ``L = sum_bt w_bt l(logp_bt)`` separates.
+    Not at the sequence levels (a token's ratio depends on its whole sequence), nor with
+    VESPO's sequence weight, the off-policy sequence mask, a sequence-level sampler correction
+    or the batch-wide entropy quantile.
+    """
+    return (config.importance_sampling_level == "token"
+            and config.loss_type != "vespo"
+            and config.off_policy_mask_threshold is None
+            and not (config.sampler_correction or "").startswith("sequence")
+            and config.top_entropy_quantile == 1.0)
+
+
+def token_loss_grad(
+    logp: Array,
+    weights: Array,
+    advantages: Array,
+    config: GRPOLossConfig,
+    old_logp: Array | None = None,
+    ref_logp: Array | None = None,
+    sampler_weights: Array | None = None,
+    mask: Array | None = None,
+    sampler_logps: Array | None = None,
+) -> Array:
+    r"""``g = \partial L / \partial \log\pi`` for any subset of tokens (see
+    :func:`token_separable`).
+
+    With :math:`L = \sum_{bt} w_{bt} \ell_{bt}` and :math:`\ell_{bt}` a function of
+    :math:`\log\pi_{bt}` alone, :math:`g_{bt} = w_{bt}\,\partial\ell_{bt}/\partial\log\pi_{bt}`:
+    every argument is a per-token array of one shape (a chunk of flattened tokens), and the
+    result has that shape. ``mask`` and ``sampler_logps`` serve the token-level sampler
+    correction. The entropy bonus's :math:`h` does not depend on ``logp``:
+    :func:`entropy_bonus_grad`.
+    """
+    if not token_separable(config):
+        raise ValueError("token_loss_grad needs a token-separable config (token level, no "
+                         "VESPO, off-policy mask, sequence-level correction or entropy "
+                         f"quantile), got {config!r}")
+
+    def total(lp):
+        old = jax.lax.stop_gradient(lp) if old_logp is None else _f32(old_logp)
+        ratio = log_importance_ratio(lp, old, None, config)
+        m = jnp.ones_like(lp) if mask is None else mask
+        scale, _ = policy_factors(lp, old, m, advantages, config, sampler_logps)
+        terms = token_terms(lp, ratio, advantages, config, ref_logp, sampler_weights, scale)
+        return weighted_loss(_f32(weights), terms, config)[0]
+
+    return jax.grad(total)(_f32(logp))
+
+
+def entropy_bonus_grad(mask: Array, config: GRPOLossConfig,
+                       num_items_in_batch: Array | float | None = None,
+                       batch_sum: BatchSum = _local) -> Array | None:
+    r""":math:`h = \partial L / \partial H = -\text{entropy\_coef}\cdot u` of a
+    token-separable config (:func:`~grpo_kernels.objective.factors.entropy_weights`, no
+    entropy quantile), or ``None`` when ``entropy_coef == 0``."""
+    if config.entropy_coef == 0:
+        return None
+    return -config.entropy_coef * lw.entropy_weights(mask, config, num_items_in_batch,
+                                                     batch_sum)
