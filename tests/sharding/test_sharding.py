@@ -100,16 +100,6 @@ def _sharded_logits(m, cfg, impl, **extra):
     return fn(inp.logits), want
 
 
-@pytest.mark.parametrize("m,cfg", HALF, ids=[f"{mesh_id(m)}-{cfg_id(c)}" for m, c in HALF])
-def test_logits_xla_equals_one_device(m, cfg):
-    _check(*_sharded_logits(m, cfg, "xla"))
-
-
-@pytest.mark.parametrize("m,cfg", HALF, ids=[f"{mesh_id(m)}-{cfg_id(c)}" for m, c in HALF])
-def test_logits_pallas_equals_one_device(m, cfg):
-    _check(*_sharded_logits(m, cfg, "pallas"))
-
-
 @pytest.mark.parametrize("cfg", FEW, ids=cfg_id)
 @pytest.mark.parametrize("m", MESHES, ids=mesh_id)
 def test_logits_sharded_reference_equals_one_device(m, cfg):
@@ -178,14 +168,12 @@ def _sharded_head(m, cfg, impl, layout="hv", bias=False, **extra):
     return step(inp.hidden, inp.lm_head, kw["bias"]), want
 
 
+@pytest.mark.parametrize("op", ["logits", "lm_head"])
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("m,cfg", HALF, ids=[f"{mesh_id(m)}-{cfg_id(c)}" for m, c in HALF])
-def test_lm_head_xla_equals_one_device(m, cfg):
-    _check(*_sharded_head(m, cfg, "xla"))
-
-
-@pytest.mark.parametrize("m,cfg", HALF, ids=[f"{mesh_id(m)}-{cfg_id(c)}" for m, c in HALF])
-def test_lm_head_pallas_equals_one_device(m, cfg):
-    _check(*_sharded_head(m, cfg, "pallas"))
+def test_equals_one_device(m, cfg, impl, op):
+    """Both ops, both fast implementations, the loss grid over the meshes."""
+    _check(*{"logits": _sharded_logits, "lm_head": _sharded_head}[op](m, cfg, impl))
 
 
 @pytest.mark.parametrize("cfg", FEW, ids=cfg_id)

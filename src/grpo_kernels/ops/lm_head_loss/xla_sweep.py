@@ -18,13 +18,8 @@ import jax.numpy as jnp
 from grpo_kernels.compat import vary_like
 from grpo_kernels.ops.core.dtypes import cast_to
 from grpo_kernels.objective import RowGrad
-from grpo_kernels.ops.core.online_softmax import (
-    block_stats,
-    finish,
-    merge_stats,
-    softmax_grad,
-    sweep,
-)
+from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, sweep
+from grpo_kernels.ops.core.online_softmax import softmax_grad
 from grpo_kernels.ops.lm_head_loss.head import delta_dtype, matmul
 
 Array = jax.Array

@@ -36,13 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from grpo_kernels.compat import out_struct
-from grpo_kernels.ops.core.online_softmax import (
-    block_stats,
-    finish,
-    merge_stats,
-    softmax_grad,
-    sweep,
-)
+from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, sweep
+from grpo_kernels.ops.core.online_softmax import softmax_grad
 
 Array = jax.Array
 _F32 = jnp.float32

@@ -45,13 +45,8 @@ from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import RowGrad
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import cast_to
-from grpo_kernels.ops.core.online_softmax import (
-    block_stats,
-    finish,
-    merge_stats,
-    softmax_grad,
-    sweep,
-)
+from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, sweep
+from grpo_kernels.ops.core.online_softmax import softmax_grad
 from grpo_kernels.ops.core.options import check_int
 from grpo_kernels.ops.core.vjp import loss_with_gradient
 
