@@ -16,6 +16,8 @@ LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo
 CLASSIC_LOSS_TYPES: tuple[str, ...] = LOSS_TYPES[:4]
 # Loss types whose per-token policy term is PPO's clipped surrogate (the clip options apply).
 CLIPPED_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# Loss types TRL normalises by num_items_in_batch (dapo's rule), the entropy bonus included.
+NUM_ITEMS_LOSS_TYPES: tuple[str, ...] = ("dapo", "cispo", "vespo")
 # TRL's vllm_importance_sampling_mode values.
 SAMPLER_CORRECTIONS: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate",
                                         "sequence_mask")
@@ -94,7 +96,8 @@ class GRPOLossConfig:
       sampler_correction: Correction for the mismatch between the sampler's log-probs (call
         argument ``sampler_logps``) and the old policy's: ``None`` (off), ``token_truncate``,
         ``token_mask``, ``sequence_truncate`` or ``sequence_mask`` (TRL's
-        ``vllm_importance_sampling_mode``; see :func:`grpo_kernels.objective.sampler_ratio`).
+        ``vllm_importance_sampling_mode``; see
+        :func:`grpo_kernels.objective.factors.sampler_ratio`).
       sampler_correction_min: Lower bound ``C_min`` of the correction's ratio, or ``None``.
       sampler_correction_max: Upper bound ``C_max`` (TRL default 3.0), or ``None``.
       off_policy_mask_threshold: TRL's off-policy sequence mask: a sequence keeps its policy
@@ -237,6 +240,12 @@ class GRPOLossConfig:
         rho = self.top_entropy_quantile
         _require(_is_real(rho) and math.isfinite(rho) and 0 < rho <= 1,
                  f"top_entropy_quantile must be a number in (0, 1], got {rho!r}")
+
+    @property
+    def has_entropy_bonus(self) -> bool:
+        """Whether the loss depends on the entropy's value (``entropy_coef != 0``); the
+        quantile's mask alone carries no gradient."""
+        return self.entropy_coef != 0
 
     @property
     def needs_sampler_logps(self) -> bool:

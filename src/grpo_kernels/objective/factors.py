@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.config import NUM_ITEMS_LOSS_TYPES, GRPOLossConfig
 
 Array = jax.Array
 _sg = jax.lax.stop_gradient
@@ -138,7 +138,7 @@ def entropy_weights(mask: Array, config: GRPOLossConfig, num_items: Array | floa
     ``cispo``, ``vespo``; default :math:`\max(N, 1)`), sums over the whole batch."""
     mask = _f32(mask)
     eff = mask if selected is None else mask * selected
-    if config.loss_type in ("dapo", "cispo", "vespo"):
+    if config.loss_type in NUM_ITEMS_LOSS_TYPES:
         norm = (jnp.maximum(batch_sum(jnp.sum(mask)), 1.0) if num_items is None
                 else _f32(num_items))
     else:

@@ -58,6 +58,12 @@ class RowGrad(NamedTuple):
         """``g`` and ``h`` times ``c`` (a loss cotangent); ``H`` unchanged."""
         return RowGrad(self.g * c, None if self.h is None else self.h * c, self.entropy)
 
+    def over(self, temperature: float) -> "RowGrad":
+        """``g`` and ``h`` over the softmax temperature (the factors of ``dL/dz = dL/ds /
+        tau``); ``H`` unchanged."""
+        return RowGrad(self.g / temperature,
+                       None if self.h is None else self.h / temperature, self.entropy)
+
 
 def loss_from_token_stats(
     logp: Array,
@@ -81,7 +87,7 @@ def loss_from_token_stats(
     and, when ``entropy_coef != 0``, :math:`h = \partial L / \partial H` with ``entropy``:
     what the fast implementations turn into dlogits.
     """
-    with_entropy = config.entropy_coef != 0
+    with_entropy = config.has_entropy_bonus
 
     def objective(lp, ent):
         return grpo_objective(lp, mask, advantages, config, old_logp, ref_logp,
@@ -159,7 +165,7 @@ def entropy_bonus_grad(mask: Array, config: GRPOLossConfig,
     r""":math:`h = \partial L / \partial H = -\text{entropy\_coef}\cdot u` of a
     token-separable config (:func:`~grpo_kernels.objective.factors.entropy_weights`, no
     entropy quantile), or ``None`` when ``entropy_coef == 0``."""
-    if config.entropy_coef == 0:
+    if not config.has_entropy_bonus:
         return None
     return -config.entropy_coef * lw.entropy_weights(mask, config, num_items_in_batch,
                                                      batch_sum)

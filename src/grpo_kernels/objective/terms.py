@@ -18,8 +18,8 @@ TRL's (tunix's dual clip, log-ratio clamps, sampler weights, KL estimators and a
 described where they act: :func:`log_importance_ratio`, :func:`kl_divergence`,
 :func:`token_terms`, :func:`token_weights`. TRL's newer options (the CISPO, SAPO, VESPO and LUSPO
 losses, the sampler correction, the off-policy sequence mask, the KL bias correction, the entropy
-bonus and high-entropy token selection) act in :func:`policy_term` and :func:`policy_factors`, with the
-factors of :mod:`grpo_kernels.objective.factors`; docs/loss.md writes each out.
+bonus and high-entropy token selection) act in :func:`policy_term` and :func:`policy_factors`,
+with the factors of :mod:`grpo_kernels.objective.factors`; docs/loss.md writes each out.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ sharded loss equals the one-device loss.
 BatchGather = Callable[[Array], Array]
 """Maps this device's rows (axis 0) to the whole batch's rows: the identity on one device,
 ``all_gather`` over the batch axes inside ``shard_map``. Only the batch-wide entropy quantile
-(:func:`entropy_mask`) needs it."""
+(:func:`~grpo_kernels.objective.factors.entropy_mask`) needs it."""
 
 
 def _local(x: Array) -> Array:
@@ -54,8 +54,6 @@ def _local(x: Array) -> Array:
 
 
 _sg = jax.lax.stop_gradient
-# Loss types normalised like dapo (a sum over num_items_in_batch), as in TRL.
-_DAPO_NORMALISED = ("dapo", "cispo", "vespo")
 
 
 def _f32(x: Any) -> Array:
@@ -200,16 +198,17 @@ def kl_divergence(logp: Array, ref_logp: Array, config: GRPOLossConfig) -> Array
 
 def policy_factors(logp: Array, old: Array, mask: Array, advantages: Array,
                    config: GRPOLossConfig, sampler_logps: Array | None = None,
-                   entropy: Array | None = None, batch_gather: BatchGather = _local,
-                   ) -> tuple[Array | None, Array | None]:
+                   selected: Array | None = None) -> tuple[Array | None, Array | None]:
     r"""``(scale, phi)``: what TRL's newer options put on the policy term, without gradient.
 
     ``scale`` multiplies the per-token policy term: the product of the off-policy sequence mask
-    (:func:`~grpo_kernels.loss_weights.off_policy_mask`), the high-entropy token mask
-    (:func:`~grpo_kernels.loss_weights.entropy_mask`) and the sampler correction
-    :math:`\rho` (:func:`~grpo_kernels.loss_weights.sampler_ratio`; VESPO folds it into
+    (:func:`~grpo_kernels.objective.factors.off_policy_mask`), the high-entropy token mask
+    (:func:`~grpo_kernels.objective.factors.entropy_mask`) and the sampler correction
+    :math:`\rho` (:func:`~grpo_kernels.objective.factors.sampler_ratio`; VESPO folds it into
     ``phi`` instead), or ``None`` when none is on. ``phi``: VESPO's weight, else ``None``.
-    ``old``: the old log-probs (``sg(logp)`` on-policy); ``advantages``: ``[B, 1]``.
+    ``old``: the old log-probs (``sg(logp)`` on-policy); ``advantages``: ``[B, 1]``;
+    ``selected``: the high-entropy mask, required when ``top_entropy_quantile < 1`` (the
+    caller computes it once: the entropy bonus uses it too).
     """
     factors, phi, rho = [], None, None
     if config.sampler_correction is not None:
@@ -222,7 +221,7 @@ def policy_factors(logp: Array, old: Array, mask: Array, advantages: Array,
         factors.append(lw.off_policy_mask(logp, behaviour, mask, advantages,
                                           config.off_policy_mask_threshold))
     if config.top_entropy_quantile < 1.0:
-        factors.append(lw.entropy_mask(entropy, mask, config, batch_gather))
+        factors.append(selected)
     if config.loss_type == "vespo":
         diff = _clamped_diff(logp, old, config)
         phi = lw.vespo_weights(diff, mask, advantages, config, rho)
@@ -247,7 +246,7 @@ def policy_term(logp: Array, log_ratio: Array, advantages: Array, config: GRPOLo
     - ``sapo``: :math:`p = -\frac{4}{\tau_A}\sigma(\tau_A (c - 1))\,A` with
       :math:`\tau_A` = ``sapo_temperature_pos`` where :math:`A > 0`, else ``_neg``;
     - ``vespo``: :math:`p = -\phi\,A \log\pi` (``phi`` of
-      :func:`~grpo_kernels.loss_weights.vespo_weights`).
+      :func:`~grpo_kernels.objective.factors.vespo_weights`).
     """
     a = _f32(advantages)
     coef_1 = jnp.exp(_f32(log_ratio))
@@ -338,7 +337,7 @@ def grpo_objective(
 
     :math:`L = \sum_{bt} w_{bt} \ell_{bt} - \text{entropy\_coef} \sum_{bt} u_{bt} H_{bt}`
     with :math:`\ell` of :func:`token_terms`, :math:`w` of :func:`token_weights` and :math:`u`
-    of :func:`~grpo_kernels.loss_weights.entropy_weights` (the bonus only when
+    of :func:`~grpo_kernels.objective.factors.entropy_weights` (the bonus only when
     ``entropy_coef != 0``).
 
     Args:
@@ -365,14 +364,13 @@ def grpo_objective(
     adv = _f32(advantages)[:, None]
     old = _sg(logp) if old_logps is None else _f32(old_logps)
     log_ratio = log_importance_ratio(logp, old, mask, config)
-    scale, phi = policy_factors(logp, old, mask, adv, config, sampler_logps, entropy,
-                                batch_gather)
+    selected = (lw.entropy_mask(entropy, mask, config, batch_gather)
+                if config.top_entropy_quantile < 1.0 else None)
+    scale, phi = policy_factors(logp, old, mask, adv, config, sampler_logps, selected)
     terms = token_terms(logp, log_ratio, adv, config, ref_logps, sampler_weights, scale, phi)
     weights = token_weights(mask, config, num_items_in_batch, batch_sum)
     loss, policy_loss, kl_loss = weighted_loss(weights, terms, config, batch_sum)
-    if config.entropy_coef != 0:
-        selected = (lw.entropy_mask(entropy, mask, config, batch_gather)
-                    if config.top_entropy_quantile < 1.0 else None)
+    if config.has_entropy_bonus:
         u = lw.entropy_weights(mask, config, num_items_in_batch, batch_sum, selected)
         loss = loss - config.entropy_coef * batch_sum(jnp.sum(u * _f32(entropy)))
     return loss, {"coef_1": terms["coef_1"], "kl": terms["kl"], "policy_loss": policy_loss,

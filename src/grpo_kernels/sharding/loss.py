@@ -130,7 +130,7 @@ def _shard_loss(primals: Primals, batch: TokenBatch, *, op: OpKind, config: GRPO
         primals = op.vary(primals, impl, spec)
         logp_k, lse_k, ent_k = stats(jax.tree.map(jax.lax.stop_gradient, primals), stat_ids)
         part, ent_part, lse, ent = combine(logp_k, lse_k, ent_k, owned, spec)
-        with_entropy = config.entropy_coef != 0
+        with_entropy = config.has_entropy_bonus
         part, ent_part = with_softmax_gradient(grad, with_entropy, primals, part, ent_part, lse,
                                                ent, hit_ids)
         logp = spec.vocab_sum(part)

@@ -312,10 +312,10 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadPallasOption
 
     def grad(primals, hit_ids, lse, row):
         hidden, w, bias = primals
-        entropy = {} if row.h is None else dict(hcoef=rows(row.h / temperature),
-                                                 entropy=rows(row.entropy))
+        row = row.over(temperature)
+        entropy = {} if row.h is None else dict(hcoef=rows(row.h), entropy=rows(row.entropy))
         dh, dw, db = head_gradients(rows(hidden.astype(compute)), w.astype(compute), bias,
-                                    rows(hit_ids, -1), rows(lse), rows(row.g / temperature),
+                                    rows(hit_ids, -1), rows(lse), rows(row.g),
                                     **static, **entropy)
         return (dh[:n].reshape(hidden.shape).astype(hidden.dtype), dw.astype(w.dtype), db)
 

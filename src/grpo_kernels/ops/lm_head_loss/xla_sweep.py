@@ -186,12 +186,6 @@ def logits_delta(s: Array, ids: Array, row: RowGrad, lse: Array, head: Head,
                    delta_dtype(head.logits_dtype, head.w.dtype))
 
 
-def _over_tau(row: RowGrad, temperature: float) -> RowGrad:
-    """The factors of :func:`logits_delta`: ``g`` and ``h`` over ``tau``."""
-    return RowGrad(row.g / temperature, None if row.h is None else row.h / temperature,
-                   row.entropy)
-
-
 def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
                grad_fn: GradFn | None, dw_rows: int | None = None,
                lse: Array | None = None,
@@ -249,7 +243,7 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
         row = grad_fn(start, size, logp)
         if row.h is not None and row.entropy is None:
             row = row._replace(entropy=ent)
-        delta = logits_delta(s, idc, _over_tau(row, temperature), lse_c, head)
+        delta = logits_delta(s, idc, row.over(temperature), lse_c, head)
         dhc = head.dhidden(delta)
         dhc = _as_bits((dhc if reduce_dh is None else reduce_dh(dhc)).astype(h.dtype))
         dh_bits = jax.lax.dynamic_update_slice_in_dim(dh_bits, dhc, start, 0)
@@ -298,7 +292,7 @@ def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array
       ``(dW in W's dtype and layout, db float32 or None)``.
     """
     vocab, axis = head.vocab, (1 if head.layout == "hv" else 0)
-    coef = _over_tau(row.map(lambda x: x.astype(_F32)), temperature)
+    coef = row.map(lambda x: x.astype(_F32)).over(temperature)
 
     def block(col, width, carry):
         dw_bits, db = carry

@@ -133,10 +133,9 @@ def pieces(shape: tuple[int, ...], dtype, options: PallasOptions | None, tempera
         return tuple(x.reshape(b, t) for x in out)
 
     def grad(primals, hit_ids, lse, rg):
-        rg = rg.map(lambda x: x.reshape(n))
+        rg = rg.map(lambda x: x.reshape(n)).over(temperature)
         dz = row_grad(primals[0].reshape(n, vocab), hit_ids.reshape(n), lse.reshape(n),
-                      rg.g / temperature, temperature,
-                      None if rg.h is None else rg.h / temperature, rg.entropy)
+                      rg.g, temperature, rg.h, rg.entropy)
         return (dz.reshape(b, t, vocab),)
 
     return stats, grad

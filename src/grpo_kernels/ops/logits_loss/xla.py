@@ -203,11 +203,10 @@ def logits_gradient(z: Array, ids: Array, lse: Array, grad: RowGrad,
     ``ids``, ``lse`` and ``grad``'s arrays have the shape of ``z`` without its last axis. A
     single elementwise expression: XLA fuses it (and any later scaling) into one kernel.
     """
-    row = grad.map(lambda x: x[..., None])
+    row = grad.map(lambda x: x[..., None]).over(temperature)
     u = z.astype(_F32) / temperature - lse[..., None]
     hit = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) == ids[..., None]
-    hcoef = None if row.h is None else row.h / temperature
-    return cast_to(softmax_grad(u, hit, row.g / temperature, hcoef, row.entropy), z.dtype)
+    return cast_to(softmax_grad(u, hit, row.g, row.h, row.entropy), z.dtype)
 
 
 def _forward(logits, batch: TokenBatch, with_grad: bool, *, config: GRPOLossConfig,
