@@ -309,7 +309,8 @@ def fused_policy_loss(model: Any, train_example: Any, algo_config: Any, pad_id: 
     head = lm_head(model, hidden)
     loss, metrics = grpo_loss_from_hidden(
         hidden.astype(head.dtype), head.weights, ex.ids, ex.mask, ex.advantages, config=config,
-        impl=impl, options=options, lm_head_layout=head.layout, logits_dtype=head.dtype, **_loss_kwargs(ex))
+        impl=impl, options=options, lm_head_layout=head.layout, logits_dtype=head.dtype,
+        **_loss_kwargs(ex))
     return loss, tunix_aux(metrics, ex, config, _field(algo_config, "epsilon_c"))
 
 
