@@ -103,7 +103,7 @@ def finish(m: Array, total: Array, q: Array, chosen: Array) -> Stats:
 
 
 def softmax_grad(u: Array, hit: Array, coef: Array, hcoef: Array | None = None,
-                 entropy: Array | None = None) -> Array:
+                 entropy: Array | None = None, p: Array | None = None) -> Array:
     r"""The loss's derivative w.r.t. a block of scaled logits, float32, from ``u = s - lse``:
 
     .. math::
@@ -115,9 +115,12 @@ def softmax_grad(u: Array, hit: Array, coef: Array, hcoef: Array | None = None,
     factor, e.g. :math:`1/\tau` and the loss cotangent), ``hit`` marks the chosen column and
     ``entropy`` is the row's :math:`H` (the second term is :math:`c_h\,\partial H/\partial
     s_v`, since :math:`H = -\sum_v p_v u_v`). Per-row arrays broadcast against ``u``; without
-    ``hcoef`` the second term is left out. Pure ``jnp``: the same code in XLA and in kernels.
+    ``hcoef`` the second term is left out. ``p``, when given, is :math:`e^{u}` already
+    computed: a kernel whose speed depends on where the exponential sits among its loads (the
+    Triton GPU kernel) computes it first. Pure ``jnp``: the same code in XLA and in kernels.
     """
-    p = jnp.exp(u)
+    if p is None:
+        p = jnp.exp(u)
     d = coef * jnp.where(hit, 1.0 - p, -p)
     if hcoef is not None:
         d = d - hcoef * (p * (u + entropy))

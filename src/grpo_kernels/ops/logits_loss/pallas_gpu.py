@@ -101,7 +101,14 @@ def _grad_kernel(x_ref, id_ref, lse_ref, coef_ref, *rest, block_vocab, inv_tau, 
     start = _start(block_vocab, ragged, vocab // block_vocab)
     x, cols = _tile(x_ref, start, block_vocab, vocab, ragged, 0.0)
     u = x.astype(_F32) * inv_tau - lse_ref[...]
-    d = softmax_grad(u, cols == id_ref[...], coef_ref[...], hcoef, ent).astype(o_ref.dtype)
+    # The order of these lines is the order of the Triton IR, and it matters: with the two
+    # scalar loads traced before the exp, the kernel took 1.45-1.65x as long on an H100 at
+    # V = 151,643 (unaligned rows, 2-byte loads), with no change at V = 151,936
+    # (docs/benchmarks.md, "GPU", the issue-19 regression).
+    p = jnp.exp(u)
+    coef = coef_ref[...]
+    hit = cols == id_ref[...]
+    d = softmax_grad(u, hit, coef, hcoef, ent, p=p).astype(o_ref.dtype)
     if ragged:
         plgpu.store(o_ref.at[pl.ds(start, block_vocab)], d, mask=cols < vocab)
     else:
