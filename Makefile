@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo ab-head test test-fast bench bench-lm-head bench-mesh gradcheck-grid clean
+.PHONY: demo ab-head test test-fast bench bench-lm-head bench-mesh gradcheck-grid proof-wheels gpu-proof clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,25 @@ bench-mesh: $(STAMP)
 
 gradcheck-grid: $(STAMP)
 	$(BIN)/grpo-kernels gradcheck --impl xla --grid
+
+# The accelerator proof (docs/kernels.md, "Benchmarks"). Here, with network: the wheels that
+# the GPU image (Python 3.12, no network) lacks for the proof's phases: only liger-kernel, the
+# peer; the loss and bench path needs nothing beyond jax, numpy, pyyaml and tqdm, which it has.
+PROOF_WHEELS := liger-kernel==0.8.5
+proof-wheels:
+	$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+		--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl $(PROOF_WHEELS)
+
+# There, in the checkout (with .whl carried): the project without its dependencies, the
+# wheels into .whl/site, then every phase (under 8 minutes on an H100).
+# `make gpu-proof PROOF_OUT=$$OUT`.
+PROOF_OUT ?= proof-out
+gpu-proof:
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation --no-index -e .
+	if ls .whl/*.whl >/dev/null 2>&1; then $(PYTHON) -m pip install --quiet --disable-pip-version-check \
+		--no-index --no-deps --no-compile --upgrade --target .whl/site .whl/*.whl; fi
+	PYTHONPATH="$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m grpo_kernels.cli.main proof --out $(PROOF_OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

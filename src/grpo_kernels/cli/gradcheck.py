@@ -178,6 +178,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "temperature{1,0.7}, then each of the CISPO/SAPO/VESPO/LUSPO, sampler "
                    "correction, off-policy mask, KL bias correction and entropy variants at "
                    "both levels; in float32 and bfloat16")
+    p.add_argument("--family", action="store_true",
+                   help="only the family variants of --grid (CISPO ... entropy), at both levels, "
+                   "in --dtype (default float32)")
     p.add_argument("--json", action="store_true", help="one JSON object per check, nothing else")
     common.add_loss_flags(p)
     common.add_wandb_flags(p)
@@ -202,9 +205,13 @@ def run(args: argparse.Namespace) -> int:
     config = common.loss_config_from(cfg.get("loss") or {}, args)
     tolerances = _tolerances(cfg)
 
+    if args.grid and args.family:
+        raise ValueError("--grid already holds the --family variants: pass one of them")
     if args.grid:
         jobs = [(c, dataclasses.replace(settings, dtype=d))
                 for d in ("float32", "bfloat16") for c in grid_configs(config, settings.time)]
+    elif args.family:
+        jobs = [(c, settings) for c in family_configs(config, settings.time)]
     else:
         jobs = [(config, settings)]
     records = []

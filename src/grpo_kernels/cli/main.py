@@ -6,20 +6,21 @@ import argparse
 import sys
 
 from grpo_kernels import __version__
-from grpo_kernels.cli import bench, bench_lm_head, gradcheck, train
+from grpo_kernels.cli import bench, bench_lm_head, gradcheck, proof, train
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="grpo-kernels",
         description="Fast, memory-light GRPO policy losses for JAX: gradcheck, benchmarks, "
-                    "GRPO training and A/B runs.",
+                    "the accelerator proof, GRPO training and A/B runs.",
     )
     p.add_argument("--version", action="version", version=f"grpo-kernels {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     gradcheck.add_parser(sub)
     bench.add_parser(sub)
     bench_lm_head.add_parser(sub)
+    proof.add_parser(sub)
     train.add_parsers(sub)
     return p
 

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from grpo_kernels.cli import common
+from grpo_kernels.ops import LOSS_HEADS, LOSS_IMPLS
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
@@ -66,8 +67,6 @@ def run_train(args: argparse.Namespace) -> int:
 
 def parse_arms(text: str) -> list[tuple[str, str]]:
     """``"logits-reference,fused-auto"`` -> ``[("logits", "reference"), ("fused", "auto")]``."""
-    from grpo_kernels.rl.config import LOSS_HEADS, LOSS_IMPLS
-
     arms = [s.strip() for s in text.split(",") if s.strip()]
     good = [f"{h}-{i}" for h in LOSS_HEADS for i in LOSS_IMPLS]
     bad = [a for a in arms if a not in good]
@@ -142,8 +141,6 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: Any) -> None:
-    from grpo_kernels.rl.config import LOSS_HEADS, LOSS_IMPLS
-
     p = sub.add_parser("train", help="GRPO training run from a YAML config",
                        description="GRPO training: rollout, rewards, advantages, update with "
                        "the loss of loss.head and loss.impl; resumes from the run dir's last "

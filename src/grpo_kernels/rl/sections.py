@@ -6,12 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 from grpo_kernels.models.loading import SOURCES as MODEL_SOURCES
+from grpo_kernels.ops import LOSS_HEADS, LOSS_IMPLS
 from grpo_kernels.ops.core.dtypes import DTYPE_CHOICES
 from grpo_kernels.rl.schema import Section, choice, fail, finite, positive
 
 DATA_SOURCES = ("arithmetic", "gsm8k")
-LOSS_HEADS = ("logits", "fused")
-LOSS_IMPLS = ("auto", "reference", "xla", "pallas")
 SCALE_REWARDS = ("group", "batch", "none")
 WANDB_MODES = ("disabled", "offline", "online")
 DEFAULT_SYSTEM_PROMPT = ("Reason step by step, briefly. End with the final answer alone on the "

@@ -1,0 +1,235 @@
+"""``grpo-kernels proof``: the accelerator proof in one command, each phase in its own process.
+
+On a GPU host (the project installed with ``pip install --no-deps -e .`` in a source checkout,
+plus the wheels of ``make proof-wheels``; ``make gpu-proof`` does both)::
+
+    grpo-kernels proof --out DIR              # the issues' shapes, under 8 minutes on an H100
+    grpo-kernels proof --out DIR --dry-run    # every phase at tiny shapes, on any backend
+
+Each phase is a subprocess with a time limit: gradcheck and bench of the logits op (reference,
+xla, pallas), the family's gradcheck through pallas, device peak memory, copy bandwidth, the
+fused LM head (gradcheck, bench with its matmul floor, memory) and the Liger-Kernel peers. A
+failing phase is recorded and the next one still runs. ``DIR/proof.log`` gets every phase's
+output; ``DIR/proof.json`` (rewritten after each phase, so a crash keeps what finished) the
+records, the machine, the derived figures and each target met or missed;
+``DIR/proof.md`` the tables for docs/benchmarks.md. The phases that are scripts live in the
+checkout's ``benchmarks/`` folder, so the command runs from a source checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from grpo_kernels.cli import proof_report
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Shapes and lists of one proof run."""
+
+    name: str
+    logits_shapes: tuple[tuple[int, int], ...] = ((1, 2048), (4, 1024))
+    vocab: int = 151643
+    aligned_vocab: int | None = 151936  # Qwen's padded vocabulary: 16-byte aligned rows
+    head: tuple[int, int, int, int] = (1, 8192, 4096, 151936)  # B, T, H, V
+    family: tuple[int, int, int] = (2, 256, 32773)  # B, T, V: four full tiles and a tail
+    copy_rows: int = 4096
+    gradcheck_impls: tuple[str, ...] = ("pallas", "xla")
+    memory_impls: tuple[str, ...] = ("reference", "xla", "pallas")
+    iters: int = 20
+    head_iters: int = 10
+
+
+REAL = Plan("real")
+# A rerun that skips what an earlier run of the same code measured (xla gradcheck, reference memory).
+SHORT = dataclasses.replace(REAL, name="short", gradcheck_impls=("pallas",),
+                            memory_impls=("pallas", "xla"))
+# Every phase at tiny shapes, on whatever backend is there (CI runs it on the CPU).
+DRY = Plan("dry", logits_shapes=((1, 8), (2, 5)), vocab=300, aligned_vocab=256,
+           head=(1, 16, 32, 300), family=(2, 6, 300), copy_rows=16, iters=2, head_iters=2)
+PLANS = {p.name: p for p in (REAL, SHORT, DRY)}
+GROUPS = ("env", "logits", "lm_head", "liger")
+
+
+def benchmarks_dir() -> Path:
+    """The checkout's ``benchmarks/`` folder (the proof's script phases)."""
+    path = Path(__file__).resolve().parents[3] / "benchmarks"
+    if not (path / "device_memory.py").is_file():
+        raise ValueError(f"grpo-kernels proof runs from a source checkout installed with "
+                         f"`pip install -e .`: no benchmarks/ folder at {path}")
+    return path
+
+
+def _cli(*args: object) -> list[str]:
+    return [sys.executable, "-m", "grpo_kernels.cli.main", *map(str, args)]
+
+
+def _script(name: str, *args: object) -> list[str]:
+    return [sys.executable, str(benchmarks_dir() / name), *map(str, args)]
+
+
+_VERSIONS = (
+    "import json, sys, platform, importlib.metadata as md, jax\n"
+    "def v(n):\n"
+    "    try: return md.version(n)\n"
+    "    except md.PackageNotFoundError: return None\n"
+    "d = jax.devices()[0]\n"
+    "print(json.dumps({'python': sys.version.split()[0], 'platform': platform.platform(),\n"
+    "    'backend': jax.default_backend(), 'device_kind': d.device_kind,\n"
+    "    'device_count': jax.device_count(), **{n: v(n) for n in ('jax', 'jaxlib',\n"
+    "    'jax-cuda13-plugin', 'torch', 'triton', 'liger-kernel', 'grpo-kernels')}}))\n"
+)
+
+
+def phases(groups: set[str], plan: Plan = REAL) -> list[tuple[str, list[str], int]]:
+    """``(name, argv, time limit in s)`` of every phase of ``groups``, in order."""
+    out: list[tuple[str, list[str], int]] = []
+    if "env" in groups:
+        out.append(("nvidia-smi", ["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                   "--format=csv,noheader"], 30))
+        out.append(("versions", [sys.executable, "-c", _VERSIONS], 60))
+        out.append(("copy_bandwidth", _script("copy_bandwidth.py", "--rows", plan.copy_rows,
+                                              "--vocab", plan.vocab), 90))
+
+    def shape(b: int, t: int, v: int = plan.vocab) -> list[object]:
+        return ["--batch", b, "--time", t, "--vocab", v, "--dtype", "bfloat16"]
+
+    if "logits" in groups:
+        for b, t in plan.logits_shapes:
+            for impl in plan.gradcheck_impls:
+                out.append((f"gradcheck_{impl}_B{b}_T{t}",
+                            _cli("gradcheck", "--impl", impl, "--json", *shape(b, t)), 120))
+        fb, ft, fv = plan.family
+        out.append(("gradcheck_family_pallas", _cli("gradcheck", "--impl", "pallas", "--family",
+                                                     "--json", *shape(fb, ft, fv)), 150))
+        bench = ["bench", "--impl", "reference,xla,pallas", "--iters", plan.iters, "--warmup", 3,
+                 "--format", "json"]
+        for b, t in plan.logits_shapes:
+            out.append((f"bench_B{b}_T{t}", _cli(*bench, *shape(b, t)), 180))
+        if plan.aligned_vocab:  # the same step with rows 16-byte aligned (Qwen's padded vocab)
+            b, t = plan.logits_shapes[0]
+            out.append((f"bench_B{b}_T{t}_V{plan.aligned_vocab}",
+                        _cli(*bench, *shape(b, t, plan.aligned_vocab)), 180))
+        for b, t in plan.logits_shapes:
+            for impl in plan.memory_impls:
+                out.append((f"memory_{impl}_B{b}_T{t}",
+                            _script("device_memory.py", "--op", "logits", "--impl", impl,
+                                    *shape(b, t)), 120))
+            out.append((f"memory_pallas_donated_B{b}_T{t}",
+                        _script("device_memory.py", "--op", "logits", "--impl", "pallas",
+                                "--donate", *shape(b, t)), 120))
+    hb, ht, hh, hv = plan.head
+    head = ["--batch", hb, "--time", ht, "--hidden", hh, "--vocab", hv]
+    if "lm_head" in groups:
+        out.append(("head_gradcheck", _script("head_gradcheck.py", *head), 180))
+        out.append(("bench_lm_head", _cli("bench-lm-head", "--impl", "reference,xla",
+                                          "--iters", plan.head_iters, "--warmup", 2, *head,
+                                          "--dtype", "bfloat16", "--format", "json"), 240))
+        for impl in ("reference", "xla"):
+            out.append((f"memory_lm_head_{impl}",
+                        _script("device_memory.py", "--op", "lm_head", "--impl", impl, *head,
+                                "--dtype", "bfloat16"), 180))
+    if "liger" in groups:
+        for b, t in plan.logits_shapes:
+            out.append((f"liger_logits_B{b}_T{t}",
+                        _script("liger_gpu_peer.py", "--op", "logits", *shape(b, t)), 180))
+        out.append(("liger_lm_head", _script("liger_gpu_peer.py", "--op", "lm_head", *head,
+                                             "--dtype", "bfloat16"), 240))
+    return out
+
+
+def _json_rows(stdout: str) -> list[dict]:
+    rows = []
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return rows
+
+
+def run_phase(name: str, cmd: list[str], limit: float, env: dict[str, str]) -> dict:
+    """One phase in its own process: its record (rc is an int, "timeout" or "not run")."""
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
+        rc, stdout, stderr = r.returncode, r.stdout, r.stderr
+    except OSError as e:
+        rc, stdout, stderr = "not run", "", str(e)
+    except subprocess.TimeoutExpired as e:
+        rc = "timeout"
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+    return {"phase": name, "rc": rc, "wall_s": time.perf_counter() - t0, "argv": cmd,
+            "rows": _json_rows(stdout), "stdout": stdout, "stderr": stderr}
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = DRY if args.dry_run else PLANS[args.plan]
+    groups = set(args.groups.split(","))
+    if not groups <= set(GROUPS):
+        raise ValueError(f"--groups must be a comma-separated subset of {','.join(GROUPS)}, "
+                         f"got {args.groups!r}")
+    if args.budget_s <= 0:
+        raise ValueError(f"--budget-s must be > 0, got {args.budget_s}")
+    todo = phases(groups, plan)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(benchmarks_dir()),
+                                                      env.get("PYTHONPATH")]))
+    start = time.perf_counter()
+    records: list[dict] = []
+    with open(out / "proof.log", "w", encoding="utf-8") as log:
+        for i, (name, cmd, limit) in enumerate(todo, 1):
+            elapsed = time.perf_counter() - start
+            if elapsed > args.budget_s:
+                records.append({"phase": name, "rc": "skipped", "wall_s": 0.0, "argv": cmd,
+                                "rows": [], "reason": f"out of time ({elapsed:.0f} s)"})
+                continue
+            rec = run_phase(name, cmd, min(limit, max(10, args.budget_s + 30 - elapsed)), env)
+            stdout, stderr = rec.pop("stdout"), rec.pop("stderr")
+            rec["stderr_tail"] = stderr[-3000:]
+            rec["stdout_tail"] = stdout[-3000:] if not rec["rows"] else ""
+            log.write(f"===== {name} rc={rec['rc']} wall={rec['wall_s']:.1f}s\n"
+                      f"$ {' '.join(cmd)}\n{stdout}\n--- stderr ---\n{stderr[-20000:]}\n")
+            log.flush()
+            records.append(rec)
+            proof_report.write(out, plan.name, records, time.perf_counter() - start)
+            print(f"[{time.perf_counter() - start:6.1f}s] ({i}/{len(todo)}) {name}: "
+                  f"rc={rec['rc']} ({rec['wall_s']:.1f}s)", file=sys.stderr, flush=True)
+            if rec["rc"] != 0 and stderr.strip():
+                print("    " + stderr.strip().splitlines()[-1][:300], file=sys.stderr)
+    report = proof_report.write(out, plan.name, records, time.perf_counter() - start)
+    print((out / "proof.md").read_text(encoding="utf-8"))
+    return 0 if report["all_phases_ok"] else 1
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "proof", help="the accelerator proof: every phase in its own process, proof.json/.md",
+        description=(__doc__ or "").split("\n\n")[0] + ". Writes proof.log, proof.json and "
+        "proof.md into --out; exit 0 only if every phase ran and succeeded (a skipped Liger "
+        "peer, with its reason, counts as success).",
+    )
+    p.add_argument("--out", required=True, help="folder for proof.log, proof.json, proof.md")
+    p.add_argument("--dry-run", action="store_true",
+                   help="every phase at tiny shapes on whatever backend is there (pallas "
+                   "interpreted off GPU/TPU); same files")
+    p.add_argument("--plan", choices=sorted(PLANS), default="real",
+                   help="real: the issues' shapes; short: real without what an earlier run of "
+                   "the same code measured (xla gradcheck, reference memory); dry: = --dry-run")
+    p.add_argument("--groups", default=",".join(GROUPS),
+                   help=f"comma-separated subset of {','.join(GROUPS)}")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="phases that would start after this many seconds are skipped "
+                   "(recorded as such)")
+    p.set_defaults(run=run)

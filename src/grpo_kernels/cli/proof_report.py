@@ -1,0 +1,248 @@
+r"""What ``grpo-kernels proof`` derives from its phases: figures, targets, proof.json, proof.md.
+
+Bandwidth: a logits-level step must read the logits twice and write the dlogits once,
+``3 V b`` bytes per token (``b`` bytes per element); the one-pass TPU kernel reads them once,
+``2 V b``. An implementation's fraction is ``bytes / median time`` over the highest copy
+bandwidth the ``copy_bandwidth`` phase measured (bytes read + written of an ``[N, V]`` copy).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+# Phases a backend may lack, recorded with their reason: rc 3 (the proof's scripts' "skipped"),
+# nvidia-smi missing ("not run"), or the time budget ("skipped").
+SKIP_CODES = (3, "not run", "skipped")
+# Issue 20's accelerator targets.
+MIN_COPY_FRACTION = 0.70
+MAX_PEAK_OVER_LOGITS_PLUS_DLOGITS = 1.10
+MIN_HEAD_PEAK_SAVING_BYTES = 4e9
+
+_RECORD_KEYS = {"phase": str, "rc": (int, str), "wall_s": (int, float), "argv": list,
+                "rows": list}
+_TOP_KEYS = {"schema_version": int, "plan": str, "wall_s": (int, float), "machine": dict,
+             "phases": list, "figures": dict, "targets": list, "all_phases_ok": bool,
+             "auto_impl": (str, type(None))}
+_TARGET_KEYS = {"name": str, "value": (int, float, type(None)), "target": str,
+                "met": (bool, type(None)), "note": str}
+
+
+def validate(report: Any) -> None:
+    """Raises ``ValueError`` naming the first key of ``report`` that is missing or mistyped."""
+    def check(obj: Any, keys: dict[str, Any], where: str) -> None:
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: expected an object, got {type(obj).__name__}")
+        for key, types in keys.items():
+            if key not in obj:
+                raise ValueError(f"{where}.{key}: missing")
+            allowed = types if isinstance(types, tuple) else (types,)
+            value = obj[key]
+            # bool is an int to isinstance; a flag where a number belongs is still wrong
+            if not isinstance(value, allowed) or (isinstance(value, bool)
+                                                  and bool not in allowed):
+                names = " or ".join(t.__name__ for t in allowed)
+                raise ValueError(f"{where}.{key}: expected {names}, got {value!r}")
+
+    check(report, _TOP_KEYS, "proof")
+    if report["schema_version"] != SCHEMA_VERSION:
+        raise ValueError(f"proof.schema_version: expected {SCHEMA_VERSION}, "
+                         f"got {report['schema_version']}")
+    for i, rec in enumerate(report["phases"]):
+        check(rec, _RECORD_KEYS, f"proof.phases[{i}]")
+    for i, t in enumerate(report["targets"]):
+        check(t, _TARGET_KEYS, f"proof.targets[{i}]")
+
+
+def _rows(records: list[dict], prefix: str) -> dict[str, list[dict]]:
+    return {r["phase"]: r["rows"] for r in records if r["phase"].startswith(prefix)}
+
+
+def _bytes_per_element(dtype: str) -> int:
+    return 2 if dtype in ("bfloat16", "float16") else 4
+
+
+def machine(records: list[dict]) -> dict[str, Any]:
+    """Versions (the ``versions`` phase) and the GPU line of nvidia-smi, when there is one."""
+    out: dict[str, Any] = {}
+    for r in records:
+        if r["phase"] == "versions" and r["rows"]:
+            out.update(r["rows"][0])
+        if r["phase"] == "nvidia-smi" and r["rc"] == 0:
+            out["nvidia_smi"] = (r.get("stdout_tail") or "").strip()
+    return out
+
+
+def figures(records: list[dict]) -> dict[str, Any]:
+    """The proof's figures, from the phases' JSON rows (absent phases give absent figures)."""
+    copies = [row for rows in _rows(records, "copy_bandwidth").values() for row in rows]
+    copy = max(copies, key=lambda r: r["bandwidth_bytes_per_s"]) if copies else None
+    fig: dict[str, Any] = {"copy": copy, "logits": {}, "memory": {}, "lm_head": {},
+                           "gradcheck": {}, "liger": {}}
+    for phase, rows in _rows(records, "gradcheck").items():
+        fig["gradcheck"][phase] = {"checks": len(rows),
+                                   "passed": sum(bool(r.get("passed")) for r in rows),
+                                   "max_rel_diff_dlogits": max(
+                                       (r["max_rel_diff_dlogits"] for r in rows), default=None)}
+    for phase, rows in _rows(records, "bench_B").items():
+        shape = {}
+        for row in rows:
+            tokens = row["batch"] * row["time"]
+            moved = 3 * row["vocab"] * _bytes_per_element(row["dtype"]) * tokens
+            bw = moved / (row["median_step_ms"] * 1e-3)
+            shape[row["impl"]] = {
+                "median_ms": row["median_step_ms"], "first_call_s": row["first_call_s"],
+                "peak_bytes_in_use": row.get("peak_bytes_in_use"), "bytes_moved": moved,
+                "bytes_per_s": bw,
+                "copy_fraction": bw / copy["bandwidth_bytes_per_s"] if copy else None}
+        fig["logits"][phase[len("bench_"):]] = shape
+    for phase, rows in _rows(records, "memory_").items():
+        for row in rows:
+            fig["memory"][phase[len("memory_"):]] = {
+                k: row.get(k) for k in ("peak_bytes_in_use", "peak_over_logits_plus_dlogits",
+                                        "logits_plus_dlogits", "temp_size_in_bytes")}
+    for row in _rows(records, "bench_lm_head").get("bench_lm_head", []):
+        fig["lm_head"][row["impl"]] = {k: row.get(k) for k in (
+            "median_step_ms", "median_step_ms_ratio_to_reference", "time_over_3_matmuls",
+            "first_call_s", "temp_size_in_bytes")}
+    for row in _rows(records, "head_gradcheck").get("head_gradcheck", []):
+        fig["lm_head"]["gradcheck"] = {k: row.get(k) for k in (
+            "passed", "bound", "dhidden_err_xla", "dW_err_xla")}
+    for phase, rows in _rows(records, "liger").items():
+        for row in rows:
+            fig["liger"][phase[len("liger_"):]] = {
+                "liger": row.get("liger"), "ours_over_liger": row.get("ours_over_liger"),
+                "loss_rel_diff": row.get("loss_rel_diff")}
+    return fig
+
+
+def _target(name: str, value: float | None, target: str, met: bool | None,
+            note: str = "") -> dict[str, Any]:
+    return {"name": name, "value": value, "target": target, "met": met, "note": note}
+
+
+def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 20's numbers, each met, missed (by how much, in ``note``) or unmeasured (None)."""
+    out = []
+    shapes = [s for s in fig["logits"] if s.count("_") == 1]  # B.._T.., not the aligned extra
+    for s in shapes:
+        t = fig["logits"][s]
+        if "pallas" not in t:
+            continue
+        for other in ("xla", "reference"):
+            if other in t:
+                r = t["pallas"]["median_ms"] / t[other]["median_ms"]
+                out.append(_target(f"pallas / {other} time, {s}", r, "< 1", r < 1,
+                                   "" if r < 1 else f"{100 * (r - 1):.1f}% slower"))
+        frac = t["pallas"]["copy_fraction"]
+        out.append(_target(f"pallas fraction of copy bandwidth, {s}", frac,
+                           f">= {MIN_COPY_FRACTION}",
+                           None if frac is None else frac >= MIN_COPY_FRACTION,
+                           "" if frac is None or frac >= MIN_COPY_FRACTION
+                           else f"{100 * (MIN_COPY_FRACTION - frac):.1f} points short"))
+        mem = fig["memory"].get(f"pallas_{s}", {}).get("peak_over_logits_plus_dlogits")
+        out.append(_target(f"pallas peak / (logits + dlogits), {s}", mem,
+                           f"<= {MAX_PEAK_OVER_LOGITS_PLUS_DLOGITS}",
+                           None if mem is None else mem <= MAX_PEAK_OVER_LOGITS_PLUS_DLOGITS,
+                           "" if mem is not None else "no device memory_stats"))
+    head = fig["lm_head"]
+    if "xla" in head:
+        r = head["xla"]["median_step_ms_ratio_to_reference"]
+        out.append(_target("fused head / reference time", r, "< 1", r < 1))
+    ref, ours = (fig["memory"].get(f"lm_head_{i}", {}).get("peak_bytes_in_use")
+                 for i in ("reference", "xla"))
+    saving = None if ref is None or ours is None else ref - ours
+    out.append(_target("fused head peak saving vs reference (bytes)", saving,
+                       f">= {MIN_HEAD_PEAK_SAVING_BYTES:.0e}",
+                       None if saving is None else saving >= MIN_HEAD_PEAK_SAVING_BYTES,
+                       "" if saving is not None else "no device memory_stats"))
+    return out
+
+
+def auto_impl(fig: dict[str, Any]) -> str | None:
+    """The ``MEASURED_DEFAULTS`` entry this run supports: "pallas" when it beat xla at every
+    logits shape, "xla" when it lost at one, None when unmeasured."""
+    wins = [t["pallas"]["median_ms"] < t["xla"]["median_ms"]
+            for s, t in fig["logits"].items()
+            if s.count("_") == 1 and "pallas" in t and "xla" in t]  # not the aligned extra
+    return None if not wins else ("pallas" if all(wins) else "xla")
+
+
+def build(plan: str, records: list[dict], wall_s: float) -> dict[str, Any]:
+    fig = figures(records)
+    ok = all(r["rc"] == 0 or r["rc"] in SKIP_CODES for r in records)
+    return {"schema_version": SCHEMA_VERSION, "plan": plan, "wall_s": wall_s,
+            "machine": machine(records), "phases": records, "figures": fig,
+            "targets": targets(fig), "all_phases_ok": ok, "auto_impl": auto_impl(fig)}
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    """Tables ready for docs/benchmarks.md."""
+    m, fig = report["machine"], report["figures"]
+    lines = [f"# grpo-kernels proof ({report['plan']} plan, {report['wall_s']:.0f} s)", "",
+             f"Machine: {m.get('nvidia_smi') or m.get('device_kind', '?')}; backend "
+             f"{m.get('backend', '?')}; jax {m.get('jax')}, jaxlib {m.get('jaxlib')}, torch "
+             f"{m.get('torch')}, triton {m.get('triton')}, liger-kernel {m.get('liger-kernel')}; "
+             f"Python {m.get('python')}.", ""]
+    if fig["copy"]:
+        c = fig["copy"]
+        lines += [f"Copy bandwidth ({c.get('how')}, [{c.get('rows')}, {c.get('vocab')}] "
+                  f"{c.get('dtype')}): {c['bandwidth_bytes_per_s'] / 1e12:.3f} TB/s.", ""]
+    lines += ["| phase | rc | wall s |", "|---|---|---|"]
+    lines += [f"| {r['phase']} | {r['rc']} | {r['wall_s']:.1f} |" for r in report["phases"]]
+    lines += ["", "| shape | impl | median ms | first call s | process peak bytes | "
+              "TB/s (3 V b) | of copy |", "|---|---|---|---|---|---|---|"]
+    for s, t in fig["logits"].items():
+        for impl, r in t.items():
+            lines.append(f"| {s} | {impl} | {_fmt(r['median_ms'])} | {_fmt(r['first_call_s'])}"
+                         f" | {_fmt(r['peak_bytes_in_use'])} | {r['bytes_per_s'] / 1e12:.3f} | "
+                         f"{_fmt(r['copy_fraction'])} |")
+    if fig["memory"]:
+        lines += ["", "| memory phase | peak bytes | peak / (logits + dlogits) |", "|---|---|---|"]
+        lines += [f"| {k} | {_fmt(v['peak_bytes_in_use'])} | "
+                  f"{_fmt(v['peak_over_logits_plus_dlogits'])} |" for k, v in fig["memory"].items()]
+    if fig["lm_head"]:
+        lines += ["", "| fused head | median ms | / reference | / 3 matmuls |", "|---|---|---|---|"]
+        lines += [f"| {k} | {_fmt(v.get('median_step_ms'))} | "
+                  f"{_fmt(v.get('median_step_ms_ratio_to_reference'))} | "
+                  f"{_fmt(v.get('time_over_3_matmuls'))} |"
+                  for k, v in fig["lm_head"].items() if k != "gradcheck"]
+    if fig["gradcheck"]:
+        lines += ["", "| gradcheck | passed | max rel dlogits |", "|---|---|---|"]
+        lines += [f"| {k} | {v['passed']}/{v['checks']} | {_fmt(v['max_rel_diff_dlogits'])} |"
+                  for k, v in fig["gradcheck"].items()]
+    if fig["liger"]:
+        lines += ["", "| Liger peer | Liger median ms (each variant) | ours / Liger |",
+                  "|---|---|---|"]
+        for k, v in fig["liger"].items():
+            liger = v["liger"] or {}
+            times = ({"": liger["median_ms"]} if "median_ms" in liger else
+                     {name: r["median_ms"] for name, r in liger.items()})
+            lines.append(f"| {k} | " + ", ".join(f"{n} {t:.4g}".strip() for n, t in times.items())
+                         + " | " + ", ".join(f"{n} {r:.3f}" for n, r in
+                                             (v["ours_over_liger"] or {}).items()) + " |")
+    lines += ["", "| target | value | wanted | met | note |", "|---|---|---|---|---|"]
+    lines += [f"| {t['name']} | {_fmt(t['value'])} | {t['target']} | {_fmt(t['met'])} | "
+              f"{t['note']} |" for t in report["targets"]]
+    lines += ["", f"impl='auto' entry this run supports: {_fmt(report['auto_impl'])} "
+              "(docs/kernels.md says how to add it).", ""]
+    return "\n".join(lines)
+
+
+def write(out: Path, plan: str, records: list[dict], wall_s: float) -> dict[str, Any]:
+    """Builds, validates and writes ``proof.json`` and ``proof.md``; returns the report."""
+    report = build(plan, records, wall_s)
+    validate(report)
+    (out / "proof.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    (out / "proof.md").write_text(to_markdown(report), encoding="utf-8")
+    return report

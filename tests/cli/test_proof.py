@@ -1,0 +1,169 @@
+"""``grpo-kernels proof``: its plans, its report on a recorded GPU run, its schema, and the dry
+run that CI executes on the CPU.
+
+A GPU session gets 30 minutes of device time, so the proof must work the first time it runs
+there: the dry run executes every phase here, with pallas interpreted and the phases that need
+a GPU (device memory_stats, the Liger peers) skipped with their reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_kernels.cli import proof, proof_report
+from grpo_kernels.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+ALL = set(proof.GROUPS)
+
+
+def _names(plan):
+    return [n for n, _, _ in proof.phases(ALL, plan)]
+
+
+def test_every_plan_runs_the_same_phases():
+    strip = lambda names: [n.split("_B")[0] for n in names]  # noqa: E731
+    assert strip(_names(proof.REAL)) == strip(_names(proof.DRY))
+    assert set(_names(proof.SHORT)) < set(_names(proof.REAL))
+    assert len(set(_names(proof.REAL))) == len(_names(proof.REAL))
+
+
+def _recorded(name: str) -> list[dict]:
+    records = json.loads((RESULTS / name).read_text())
+    for r in records:  # the first sessions' runner kept no argv
+        r.setdefault("argv", [])
+    return records
+
+
+def test_report_of_the_recorded_h100_runs():
+    """The report's figures and targets on two real H100 runs (docs/benchmarks.md, "GPU"):
+    the first session's build, where pallas beat xla, and issue 19's regressed one."""
+    good = proof_report.build("real", _recorded("gpu_proof2_h100_2026-11-23.json"), 450.0)
+    bad = proof_report.build("real", _recorded("gpu_proof3_h100_2026-11-23.json"), 393.0)
+    for report in (good, bad):
+        proof_report.validate(report)
+        assert report["all_phases_ok"]
+    assert good["auto_impl"] == "pallas" and bad["auto_impl"] == "xla"
+    targets = {t["name"]: t for t in bad["targets"]}
+    t = targets["pallas / xla time, B1_T2048"]
+    assert t["met"] is False and t["value"] == pytest.approx(1.561 / 1.408, rel=1e-3)
+    assert t["note"] == "10.8% slower"
+    copy_frac = targets["pallas fraction of copy bandwidth, B4_T1024"]
+    # 3 V b bytes per token over the median, against the torch copy's 2.867 TB/s
+    want = 3 * 151643 * 2 * 4096 / 2.797086e-3 / 2.866957e12
+    assert copy_frac["value"] == pytest.approx(want, rel=1e-4) and copy_frac["met"] is False
+    assert targets["pallas peak / (logits + dlogits), B4_T1024"]["met"] is True
+    saving = targets["fused head peak saving vs reference (bytes)"]
+    assert saving["value"] == 15070466048 - 9536406016 and saving["met"] is True
+    md = proof_report.to_markdown(bad)
+    assert "| B4_T1024 | pallas | 2.797 |" in md and "10.8% slower" in md
+
+
+def test_validate_names_the_bad_key():
+    report = proof_report.build("dry", [], 1.0)
+    proof_report.validate(report)
+    broken = copy.deepcopy(report)
+    del broken["machine"]
+    with pytest.raises(ValueError, match=r"proof\.machine: missing"):
+        proof_report.validate(broken)
+    broken = copy.deepcopy(report)
+    broken["all_phases_ok"] = 1
+    with pytest.raises(ValueError, match=r"proof\.all_phases_ok: expected bool"):
+        proof_report.validate(broken)
+    broken = copy.deepcopy(report)
+    broken["phases"] = [{"phase": "x", "rc": 0, "wall_s": True, "argv": [], "rows": []}]
+    with pytest.raises(ValueError, match=r"proof\.phases\[0\]\.wall_s: expected int or float"):
+        proof_report.validate(broken)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--groups", "env,gpu"], "--groups must be a comma-separated subset"),
+    (["--budget-s", "0"], "--budget-s must be > 0"),
+])
+def test_bad_arguments_name_the_flag(tmp_path, capsys, argv, match):
+    assert main(["proof", "--out", str(tmp_path), "--dry-run", *argv]) == 2
+    assert match in capsys.readouterr().err
+    assert not (tmp_path / "proof.json").exists()
+
+
+_BLOCKED = ("flax", "optax", "orbax", "wandb", "gguf", "tokenizers", "math_verify",
+            "safetensors", "matplotlib", "jinja2", "tunix", "torch", "transformers")
+_BLOCKER = f"""
+import importlib.abc, runpy, sys
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {_BLOCKED!r}:
+            raise ImportError("the loss/bench path imported " + name)
+sys.meta_path.insert(0, Blocker())
+sys.argv = sys.argv[1:]
+runpy.run_module("grpo_kernels.cli.main", run_name="__main__") if sys.argv[0] == "-m" else \\
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("argv", [
+    ["-m", "gradcheck", "--impl", "pallas", "--batch", "1", "--time", "4", "--vocab", "64"],
+    ["-m", "bench", "--impl", "xla,pallas", "--batch", "1", "--time", "4", "--vocab", "64",
+     "--iters", "1", "--warmup", "0", "--format", "json"],
+    ["-m", "bench-lm-head", "--impl", "xla", "--batch", "1", "--time", "4", "--hidden", "8",
+     "--vocab", "64", "--iters", "1", "--warmup", "0", "--format", "json"],
+    ["benchmarks/head_gradcheck.py", "--batch", "1", "--time", "4", "--hidden", "8",
+     "--vocab", "64"],
+    ["benchmarks/copy_bandwidth.py", "--rows", "4", "--vocab", "64"],
+], ids=["gradcheck", "bench", "bench-lm-head", "head_gradcheck", "copy_bandwidth"])
+def test_the_proof_path_needs_no_trainer_dependency(argv):
+    """What the accelerator host lacks (flax, optax, wandb, ... and torch) is never imported."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT / "src")]))
+    r = subprocess.run([sys.executable, "-c", _BLOCKER, *argv], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_dry_run_records_every_phase(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "grpo_kernels.cli.main", "proof", "--dry-run",
+                        "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads((tmp_path / "proof.json").read_text())
+    proof_report.validate(report)
+    assert report["plan"] == "dry" and report["all_phases_ok"]
+    assert report["machine"]["backend"] == "cpu" and report["machine"]["jax"]
+    records = {rec["phase"]: rec for rec in report["phases"]}
+    assert list(records) == _names(proof.DRY)
+    assert (tmp_path / "proof.log").read_text().count("=====") == len(records)
+    for name, rec in records.items():
+        if name.startswith(("gradcheck", "head_gradcheck")):
+            assert rec["rc"] == 0 and rec["rows"] and all(row["passed"] for row in rec["rows"])
+        elif name.startswith("bench"):
+            assert rec["rc"] == 0
+            impls = [row["impl"] for row in rec["rows"]]
+            assert impls[:3] == (["reference", "xla", "pallas"] if name.startswith("bench_B")
+                                 else ["reference", "xla", "matmul"])
+            assert all(row["median_step_ms"] > 0 for row in rec["rows"])
+        elif name.startswith(("memory", "liger")):  # no memory_stats, no CUDA here
+            assert rec["rc"] == 3 and "skipped" in rec["stderr_tail"]
+        elif name == "nvidia-smi":
+            assert rec["rc"] in (0, "not run")
+        else:
+            assert rec["rc"] == 0, name
+    assert records["gradcheck_family_pallas"]["rows"][0]["impl"] == "pallas"
+    assert len(records["gradcheck_family_pallas"]["rows"]) == 22
+    fig = report["figures"]
+    assert fig["copy"]["bandwidth_bytes_per_s"] > 0
+    assert set(fig["logits"]) == {"B1_T8", "B2_T5", "B1_T8_V256"}
+    assert all(0 < r["copy_fraction"] for t in fig["logits"].values() for r in t.values())
+    assert report["auto_impl"] in ("pallas", "xla")
+    md = (tmp_path / "proof.md").read_text()
+    assert md.startswith("# grpo-kernels proof (dry plan") and "| target |" in md
+    assert md in r.stdout
