@@ -67,6 +67,18 @@ def test_report_of_the_recorded_h100_runs():
     assert "| B4_T1024 | pallas | 2.797 |" in md and "10.8% slower" in md
 
 
+def test_the_h100_proof_json_validates():
+    """The proof.json that `make gpu-proof` wrote on an H100 (docs/benchmarks.md, "The
+    one-command proof") against today's schema, and rebuilt from its own phase records."""
+    report = json.loads((RESULTS / "gpu_proof4_h100_2026-11-23.json").read_text())
+    proof_report.validate(report)
+    assert report["plan"] == "real" and report["all_phases_ok"]
+    assert [r["phase"] for r in report["phases"]] == _names(proof.REAL)
+    assert report["machine"]["backend"] == "gpu"
+    rebuilt = proof_report.build(report["plan"], report["phases"], report["wall_s"])
+    assert rebuilt["targets"] == report["targets"] and rebuilt["auto_impl"] == "pallas"
+
+
 def test_validate_names_the_bad_key():
     report = proof_report.build("dry", [], 1.0)
     proof_report.validate(report)
