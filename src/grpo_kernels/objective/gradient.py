@@ -159,6 +159,19 @@ def token_loss_grad(
     return jax.grad(total)(_f32(logp))
 
 
+def token_row_grad(logp: Array, columns: dict[str, Array | None],
+                   config: GRPOLossConfig) -> RowGrad:
+    r"""The :class:`RowGrad` of tokens of a token-separable config from their own log-probs
+    and their columns (``TokenBatch.token_columns``, any common shape, e.g. a chunk of rows or
+    a kernel's ``[rows, 1]`` block): :math:`g` by :func:`token_loss_grad`, :math:`h` as given
+    (without ``entropy``: a caller with the rows' :math:`H` adds it)."""
+    c = columns
+    g = token_loss_grad(logp, c["weights"], c["advantages"], config, c.get("old_logp"),
+                        c.get("ref_logp"), c.get("sampler_weights"), c.get("mask"),
+                        c.get("sampler_logps"))
+    return RowGrad(g, c.get("h"))
+
+
 def entropy_bonus_grad(mask: Array, config: GRPOLossConfig,
                        num_items_in_batch: Array | float | None = None,
                        batch_sum: BatchSum = _local) -> Array | None:

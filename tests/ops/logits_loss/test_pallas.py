@@ -6,6 +6,8 @@ kernel in the generic interpreter, which pads every input with NaN, so an unmask
 array would turn the compared results into NaN.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -201,8 +203,8 @@ def test_options_must_fit_the_impl():
                   options=PallasOptions())
 
 
-def _export_value_and_grad(b, t, v, dtype, platform, kernel):
-    cfg = GRPOLossConfig(beta=0.04)
+def _export_value_and_grad(b, t, v, dtype, platform, kernel, level="token"):
+    cfg = GRPOLossConfig(beta=0.04, importance_sampling_level=level)
     spec = jax.ShapeDtypeStruct
     args = (spec((b, t, v), dtype), spec((b, t), jnp.int32), spec((b, t), jnp.float32),
             spec((b,), jnp.float32), spec((b, t), jnp.float32), spec((b, t), jnp.float32))
@@ -219,12 +221,16 @@ def _export_value_and_grad(b, t, v, dtype, platform, kernel):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("b", [1, 4, 8])
-def test_tpu_kernels_lower_at_the_real_shapes(b, dtype):
-    """value_and_grad at B x 2048 x 151,643 lowers to two Mosaic kernels for TPU."""
-    exported = _export_value_and_grad(b, 2048, 151_643, dtype, "tpu", "tpu")
+@pytest.mark.parametrize("b,level", [(1, "token"), (4, "token"), (8, "token"), (1, "sequence")])
+def test_tpu_kernels_lower_at_the_real_shapes(b, level, dtype):
+    """value_and_grad at B x 2048 x 151,643 lowers for TPU: to the one-pass Mosaic kernel at
+    token level, to the statistics and gradient kernels at sequence level."""
+    exported = _export_value_and_grad(b, 2048, 151_643, dtype, "tpu", "tpu", level)
     text = exported.mlir_module()
-    assert text.count("tpu_custom_call") == 2
+    if level == "token":
+        assert text.count("tpu_custom_call") == 1 and "grpo_one_pass" in text
+    else:
+        assert text.count("tpu_custom_call") == 2 and "grpo_one_pass" not in text
     grad = exported.out_avals[-1]
     assert grad.shape == (b, 2048, 151_643) and grad.dtype == dtype
 
@@ -267,3 +273,60 @@ def test_gpu_gradient_kernel_traces_exp_before_the_row_scalars():
         reads = [i for i, nm in enumerate(names) if nm in ("get", "load", "masked_load")]
         assert len(reads) == 4, names
         assert reads[1] < exp < reads[2] < reads[3], names
+
+
+# The one-pass TPU kernel (token-separable configs; the grids above run it wherever the TPU
+# kernel meets a token-level config): odd shapes, with leftover rows, ragged vocabulary tiles
+# and a row block that holds the whole batch.
+ONE_PASS_SHAPES = [s for s in SHAPES if s[2] <= 1000]
+
+
+@pytest.mark.parametrize("b,t,v", ONE_PASS_SHAPES)
+def test_one_pass_odd_shapes_match_reference(b, t, v):
+    dtype = jnp.bfloat16 if (b + t) % 2 else jnp.float32
+    cfg = GRPOLossConfig(loss_type="dapo", beta=0.04, delta=2.0, temperature=0.7,
+                         entropy_coef=0.02)
+    inp = random_inputs(b * 100 + t, b, t, v, dtype, cfg)
+    opts = dataclasses.replace(small_blocks("tpu", dtype), one_pass=True)
+    assert_matches_reference("pallas", inp, cfg, options=opts)
+
+
+def _kernel_names(cfg, options):
+    inp = random_inputs(0, 2, 9, 300, jnp.float32, cfg)
+    f = lambda z: grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="pallas",
+                            options=options, **inp.kwargs())[0]
+    text = str(jax.make_jaxpr(jax.value_and_grad(f))(inp.logits))
+    return {n for n in ("grpo_one_pass", "grpo_row_statistics", "grpo_logits_gradient")
+            if n in text}
+
+
+def test_one_pass_is_the_tpu_default_for_token_separable_configs():
+    tpu = PallasOptions(kernel="tpu")
+    assert _kernel_names(GRPOLossConfig(), tpu) == {"grpo_one_pass"}
+    two = {"grpo_row_statistics", "grpo_logits_gradient"}
+    assert _kernel_names(GRPOLossConfig(importance_sampling_level="sequence"), tpu) == two
+    assert _kernel_names(GRPOLossConfig(top_entropy_quantile=0.5, entropy_coef=0.1), tpu) == two
+    assert _kernel_names(GRPOLossConfig(), dataclasses.replace(tpu, one_pass=False)) == two
+    # the two kernels on a token-level config still match the reference
+    cfg = GRPOLossConfig(loss_type="bnpo", beta=0.04)
+    inp = random_inputs(9, 3, 7, 300, jnp.float32, cfg)
+    assert_matches_reference("pallas", inp, cfg, options=dataclasses.replace(
+        small_blocks("tpu", jnp.float32), one_pass=False))
+
+
+@pytest.mark.parametrize("options,cfg", [
+    (PallasOptions(kernel="gpu", one_pass=True), GRPOLossConfig()),
+    (PallasOptions(kernel="tpu", one_pass=True), GRPOLossConfig(loss_type="vespo")),
+    (PallasOptions(kernel="tpu", one_pass=True),
+     GRPOLossConfig(importance_sampling_level="sequence")),
+], ids=["gpu", "vespo", "sequence"])
+def test_one_pass_refuses_what_it_cannot_run(options, cfg):
+    inp = random_inputs(1, 1, 4, 50, jnp.float32, cfg)
+    with pytest.raises(ValueError, match="PallasOptions.one_pass=True needs the TPU kernel"):
+        grpo_loss(inp.logits, inp.ids, inp.mask, inp.advantages, config=cfg, impl="pallas",
+                  options=options, **inp.kwargs())
+
+
+def test_one_pass_flag_is_checked():
+    with pytest.raises(ValueError, match="PallasOptions.one_pass must be None, True or False"):
+        PallasOptions(one_pass="yes")

@@ -8,7 +8,14 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.objective import BatchGather, BatchSum, RowGrad, loss_from_token_stats
+from grpo_kernels.objective import (
+    BatchGather,
+    BatchSum,
+    RowGrad,
+    entropy_bonus_grad,
+    loss_from_token_stats,
+    token_weights,
+)
 
 Array = jax.Array
 
@@ -76,3 +83,25 @@ class TokenBatch:
                                      self.old_logps, self.ref_logps, self.num_items,
                                      with_grad=with_grad, sampler_weights=self.sampler_weights,
                                      sampler_logps=self.sampler_logps, **extra)
+
+    def token_columns(self, config: GRPOLossConfig) -> dict[str, Array | None]:
+        """The per-token inputs of :func:`grpo_kernels.objective.token_row_grad`, each ``[N]``
+        float32 (``N = B*T``, row-major) or ``None``: the loss weights
+        (:func:`~grpo_kernels.objective.token_weights`), the advantages broadcast over time,
+        the old, reference and sampler log-probs, the sampler weights, the mask and the entropy
+        bonus's ``h`` (known from the mask). For a token-separable config these are all a
+        token's gradient needs besides its own log-prob."""
+        b, t = self.shape
+
+        def flat(x: Array | None) -> Array | None:
+            return None if x is None else x.reshape(-1).astype(jnp.float32)
+
+        return {
+            "weights": flat(token_weights(self.mask, config, self.num_items)),
+            "advantages": flat(jnp.broadcast_to(self.advantages.astype(jnp.float32)[:, None],
+                                                (b, t))),
+            "old_logp": flat(self.old_logps), "ref_logp": flat(self.ref_logps),
+            "sampler_weights": flat(self.sampler_weights), "mask": flat(self.mask),
+            "sampler_logps": flat(self.sampler_logps),
+            "h": flat(entropy_bonus_grad(self.mask, config, self.num_items)),
+        }

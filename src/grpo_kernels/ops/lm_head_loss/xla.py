@@ -45,16 +45,9 @@ import dataclasses
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.objective import (
-    RowGrad,
-    entropy_bonus_grad,
-    token_loss_grad,
-    token_separable,
-    token_weights,
-)
+from grpo_kernels.objective import RowGrad, token_row_grad, token_separable
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import common_dtype
 from grpo_kernels.ops.core.options import check_int
@@ -70,7 +63,6 @@ from grpo_kernels.ops.lm_head_loss.xla_sweep import (
 )
 
 Array = jax.Array
-_F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,10 +135,6 @@ def plan_vocab_block(n_rows: int, vocab: int, blocks: LmHeadBlockSizes, backend:
     return min(vocab, max(128, budget // (32 * n_rows) // 128 * 128))
 
 
-def _flat(x: Array | None) -> Array | None:
-    return None if x is None else x.reshape(-1).astype(_F32)
-
-
 def _rows_and_head(hidden: Array, w: Array, bias: Array | None,
                    fmt: HeadFormat) -> tuple[Array, Head]:
     """``hidden`` as ``[N, H]`` rows and the :class:`Head`, both in the operands' common dtype
@@ -158,24 +146,13 @@ def _rows_and_head(hidden: Array, w: Array, bias: Array | None,
 
 def _token_grad_fn(batch: TokenBatch, config: GRPOLossConfig) -> GradFn:
     """``grad_fn(start, size, logp)`` of :func:`head_sweep` for a token-separable config: each
-    chunk's ``g = dL/dlogp`` from its own log-probs
-    (:func:`grpo_kernels.objective.token_loss_grad`) and the entropy bonus's ``h``, known from
-    the mask (:func:`grpo_kernels.objective.entropy_bonus_grad`)."""
-    b, t = batch.shape
-    weights = _flat(token_weights(batch.mask, config, batch.num_items))
-    adv = _flat(jnp.broadcast_to(batch.advantages.astype(_F32)[:, None], (b, t)))
-    old, ref = _flat(batch.old_logps), _flat(batch.ref_logps)
-    sampler, mask = _flat(batch.sampler_weights), _flat(batch.mask)
-    sampler_logps = _flat(batch.sampler_logps)
-    h = _flat(entropy_bonus_grad(batch.mask, config, batch.num_items))
+    chunk's :class:`RowGrad` from its own log-probs and columns
+    (:func:`grpo_kernels.objective.token_row_grad`)."""
+    columns = batch.token_columns(config)
 
     def grad_fn(start, size, logp):
-        def rows(x):
-            return _rows(x, start, size)
-
-        g = token_loss_grad(logp, rows(weights), rows(adv), config, rows(old), rows(ref),
-                            rows(sampler), rows(mask), rows(sampler_logps))
-        return RowGrad(g, rows(h))
+        return token_row_grad(logp, {k: _rows(v, start, size) for k, v in columns.items()},
+                              config)
 
     return grad_fn
 

@@ -22,10 +22,11 @@ from typing import Literal
 import jax
 
 from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.objective import token_row_grad, token_separable
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.options import check_int, check_interpret, resolved_interpret
 from grpo_kernels.ops.core.validate import backend_kind
-from grpo_kernels.ops.core.vjp import loss_from_pieces
+from grpo_kernels.ops.core.vjp import loss_from_pieces, loss_with_gradient
 from grpo_kernels.ops.logits_loss import pallas_gpu, pallas_tpu
 
 Array = jax.Array
@@ -63,6 +64,11 @@ class PallasOptions:
       blocks: The kernels' tiling; ``None``: each kernel's planner.
       alias_logits: Write dlogits into the logits' buffer (saves a ``[B, T, V]`` buffer when the
         logits are donated or otherwise dead).
+      one_pass: The one-pass TPU kernel (:func:`~.pallas_tpu.one_pass`: the logits read once,
+        the gradient formed in the forward) for token-separable configs
+        (:func:`grpo_kernels.objective.token_separable`). ``None``: exactly when the TPU kernel
+        runs and the config is token-separable; ``True`` with a GPU kernel or another config
+        raises; ``False``: the two kernels.
       interpret: Run the kernels in interpret mode; ``None``: exactly when the backend is CPU.
         ``"hlo"``: JAX's generic HLO interpreter instead of the TPU one (what
         :mod:`grpo_kernels.sharding` uses on a CPU mesh: the TPU interpreter makes every device
@@ -74,6 +80,7 @@ class PallasOptions:
     blocks: PallasBlockSizes | None = None
     alias_logits: bool = False
     interpret: bool | Literal["hlo"] | None = None
+    one_pass: bool | None = None
 
     def __post_init__(self) -> None:
         check_interpret("PallasOptions", self.interpret)
@@ -83,6 +90,9 @@ class PallasOptions:
         if self.blocks is not None and not isinstance(self.blocks, PallasBlockSizes):
             raise ValueError(f"PallasOptions.blocks must be None or a PallasBlockSizes, "
                              f"got {type(self.blocks).__name__}")
+        if self.one_pass not in (None, True, False):
+            raise ValueError(f"PallasOptions.one_pass must be None, True or False, "
+                             f"got {self.one_pass!r}")
         if not isinstance(self.alias_logits, bool):
             raise ValueError(f"PallasOptions.alias_logits must be True or False, "
                              f"got {self.alias_logits!r}")
@@ -96,6 +106,23 @@ class PallasOptions:
         return resolved_interpret(self.interpret, backend_kind(backend))
 
 
+    def resolved_one_pass(self, config: GRPOLossConfig, backend: str | None = None) -> bool:
+        """Whether the one-pass TPU kernel computes ``config``'s loss (see ``one_pass``)."""
+        fits = self.resolved_kernel(backend) == "tpu" and token_separable(config)
+        if self.one_pass and not fits:
+            raise ValueError(
+                "PallasOptions.one_pass=True needs the TPU kernel and a token-separable config "
+                "(token level; no vespo, off_policy_mask_threshold, sequence-level "
+                "sampler_correction or top_entropy_quantile < 1), got kernel="
+                f"{self.resolved_kernel(backend)!r} and {config!r}")
+        return fits if self.one_pass is None else self.one_pass
+
+
+def _tpu_tiling(vocab: int, dtype, opts: PallasOptions) -> pallas_tpu.TpuBlocks:
+    blocks = opts.blocks or PallasBlockSizes()
+    return pallas_tpu.plan_blocks(vocab, dtype, None, blocks.block_rows, blocks.block_vocab)
+
+
 def kernels(vocab: int, dtype, opts: PallasOptions):
     """``(row_statistics, logits_gradient)`` on ``[N, V]`` rows, bound to their tiling and
     interpret flag."""
@@ -104,9 +131,7 @@ def kernels(vocab: int, dtype, opts: PallasOptions):
     if opts.resolved_kernel() == "gpu":
         tiling, mod = pallas_gpu.plan_blocks(vocab, blocks.block_vocab), pallas_gpu
     else:
-        tiling = pallas_tpu.plan_blocks(vocab, dtype, None, blocks.block_rows,
-                                        blocks.block_vocab)
-        mod = pallas_tpu
+        tiling, mod = _tpu_tiling(vocab, dtype, opts), pallas_tpu
 
     def stats(z, ids, tau):
         return mod.row_statistics(z, ids, tau, tiling, interpret=interpret)
@@ -147,6 +172,35 @@ def pallas_grpo_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
 
     Args, returns: as :func:`grpo_kernels.grpo_loss` (checked there).
     """
+    options = options or PallasOptions()
+    if options.resolved_one_pass(config):
+        return _one_pass_loss(logits, batch, config, options)
     stats, grad = pieces(logits.shape, logits.dtype, options, config.temperature)
     return loss_from_pieces(stats, grad, batch.clamped_ids(logits.shape[-1]), config,
                             (logits,), batch)
+
+
+def _one_pass_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
+                   options: PallasOptions) -> tuple[Array, dict[str, Array]]:
+    """:func:`pallas_grpo_loss` on :func:`~.pallas_tpu.one_pass`: the forward reads the logits
+    once and forms the gradient for a unit cotangent; the backward multiplies it by the loss
+    cotangent, which XLA drops when the cotangent is the constant 1 of ``jax.grad(loss)``."""
+    b, t, vocab = logits.shape
+    n, tau = b * t, config.temperature
+    ids = batch.clamped_ids(vocab).reshape(n)
+    tiling = _tpu_tiling(vocab, logits.dtype, options)
+    interpret = options.resolved_interpret()
+
+    def forward(primals, batch, with_grad):
+        z = primals[0].reshape(n, vocab)
+        if with_grad:
+            logp, ent, dz = pallas_tpu.one_pass(
+                z, ids, batch.token_columns(config),
+                lambda lp, cols: token_row_grad(lp, cols, config), tau, tiling,
+                interpret=interpret, alias_logits=options.alias_logits)
+        else:  # a primal-only call needs the statistics alone
+            logp, _, ent = pallas_tpu.row_statistics(z, ids, tau, tiling, interpret=interpret)
+        loss, metrics, _ = batch.loss(logp.reshape(b, t), ent.reshape(b, t), config, False)
+        return (loss, metrics), ((dz.reshape(b, t, vocab),) if with_grad else None)
+
+    return loss_with_gradient(forward)((logits,), batch)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -106,9 +106,9 @@ def _vocab_tiles(vocab: int, block_vocab: int, body, carry):
                  start=lambda j: pl.multiple_of(j * block_vocab, 128))
 
 
-def _stats_kernel(x_ref, ids_ref, logp_ref, lse_ref, ent_ref, *, block_vocab, inv_tau):
+def _row_stats(x_ref, ids: Array, block_vocab: int, inv_tau: float) -> tuple[Array, ...]:
+    """``(logp, lse, entropy)``, each ``[rows, 1]``, of the VMEM block ``x_ref`` in one sweep."""
     rows, vocab = x_ref.shape
-    ids = ids_ref[...]
 
     def tile(start, width, carry):
         stats, chosen = carry
@@ -120,14 +120,13 @@ def _stats_kernel(x_ref, ids_ref, logp_ref, lse_ref, ent_ref, *, block_vocab, in
     zeros = jnp.zeros((rows, 1), _F32)
     init = ((jnp.full((rows, 1), -jnp.inf, _F32), zeros, zeros), zeros)
     stats, chosen = _vocab_tiles(vocab, block_vocab, tile, init)
-    logp_ref[...], lse_ref[...], ent_ref[...] = finish(*stats, chosen)
+    return finish(*stats, chosen)
 
 
-def _grad_kernel(x_ref, ids_ref, lse_ref, coef_ref, *rest, block_vocab, inv_tau):
-    o_ref = rest[-1]  # rest: (hcoef_ref, ent_ref) with the entropy term, then the output
+def _write_grad(x_ref, o_ref, ids: Array, lse: Array, coef: Array, hcoef: Array | None,
+                ent: Array | None, block_vocab: int, inv_tau: float) -> None:
+    """Writes :func:`softmax_grad` of the VMEM block ``x_ref`` into ``o_ref``, tile by tile."""
     rows, vocab = x_ref.shape
-    ids, lse, coef = ids_ref[...], lse_ref[...], coef_ref[...]
-    hcoef, ent = (rest[0][...], rest[1][...]) if len(rest) == 3 else (None, None)
 
     def tile(start, width, carry):
         x = x_ref[:, pl.ds(start, width)].astype(_F32) * inv_tau
@@ -137,6 +136,31 @@ def _grad_kernel(x_ref, ids_ref, lse_ref, coef_ref, *rest, block_vocab, inv_tau)
         return carry
 
     _vocab_tiles(vocab, block_vocab, tile, 0)
+
+
+def _stats_kernel(x_ref, ids_ref, logp_ref, lse_ref, ent_ref, *, block_vocab, inv_tau):
+    logp_ref[...], lse_ref[...], ent_ref[...] = _row_stats(x_ref, ids_ref[...], block_vocab,
+                                                           inv_tau)
+
+
+def _grad_kernel(x_ref, ids_ref, lse_ref, coef_ref, *rest, block_vocab, inv_tau):
+    o_ref = rest[-1]  # rest: (hcoef_ref, ent_ref) with the entropy term, then the output
+    hcoef, ent = (rest[0][...], rest[1][...]) if len(rest) == 3 else (None, None)
+    _write_grad(x_ref, o_ref, ids_ref[...], lse_ref[...], coef_ref[...], hcoef, ent,
+                block_vocab, inv_tau)
+
+
+def _one_pass_kernel(x_ref, ids_ref, *refs, block_vocab, inv_tau, names, row_grad):
+    # refs: one [rows, 1] column per name, then the outputs logp, entropy, dlogits.
+    columns = {k: r[...] for k, r in zip(names, refs)}
+    logp_ref, ent_ref, o_ref = refs[len(names):]
+    ids = ids_ref[...]
+    logp, lse, ent = _row_stats(x_ref, ids, block_vocab, inv_tau)
+    rg = row_grad(logp, columns)
+    hcoef = None if rg.h is None else rg.h * inv_tau
+    _write_grad(x_ref, o_ref, ids, lse, rg.g * inv_tau, hcoef, None if rg.h is None else ent,
+                block_vocab, inv_tau)
+    logp_ref[...], ent_ref[...] = logp, ent
 
 
 def _compiler_params(blocks: TpuBlocks):
@@ -242,3 +266,58 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
     # a multiple of block_rows (B*T at real shapes), where the blocks cover the whole buffer.
     out = call(z, cols, blocks.block_rows, main // blocks.block_rows, n, False)
     return jax.lax.dynamic_update_slice_in_dim(out, tail, main, 0)
+
+
+def one_pass(z: Array, ids: Array, columns: dict[str, Array | None], row_grad: Callable,
+             temperature: float, blocks: TpuBlocks, interpret: bool = False,
+             alias_logits: bool = False) -> tuple[Array, Array, Array]:
+    r"""``(logp, entropy, dlogits)`` of a token-separable loss, reading each row block once.
+
+    Each grid step DMAs ``[block_rows, V]`` logits into VMEM once. The kernel sweeps them for
+    the row statistics, turns ``logp`` into the tokens' gradient factors with ``row_grad``
+    (the objective's own math, on ``[rows, 1]`` columns), and sweeps the same VMEM block again
+    to write :math:`\partial L/\partial z` for a unit loss cotangent. A training step then
+    moves ``2 V b`` bytes per token (read once, write once) instead of the two-kernel path's
+    ``3 V b``.
+
+    Args:
+      z: ``[N, V]`` logits.
+      ids: ``[N]`` int32 ids in ``[0, V)``.
+      columns: ``[N]`` float32 per-token inputs of ``row_grad`` by name (``None``: absent).
+      row_grad: ``row_grad(logp, columns) -> RowGrad`` on ``[rows, 1]`` arrays; its ``h``
+        (the entropy bonus's factor) may be ``None``.
+      temperature, blocks, interpret: as :func:`row_statistics`.
+      alias_logits: as :func:`logits_gradient`.
+    """
+    n, vocab = z.shape
+    names = tuple(k for k, v in columns.items() if v is not None)
+    cols = [ids.astype(jnp.int32).reshape(n, 1)] + [
+        columns[k].astype(_F32).reshape(n, 1) for k in names]
+    kernel = functools.partial(_one_pass_kernel, block_vocab=blocks.block_vocab,
+                               inv_tau=1.0 / temperature, names=names, row_grad=row_grad)
+
+    def call(zz, per_row, rows, grid, out_rows, alias):
+        col = out_struct((out_rows, 1), _F32, zz, *per_row)
+        return pl.pallas_call(
+            kernel, grid=(grid,),
+            out_shape=(col, col, out_struct((out_rows, vocab), z.dtype, zz, *per_row)),
+            in_specs=[_row_spec(rows, vocab)] + [_row_spec(rows, 1)] * len(per_row),
+            out_specs=(_row_spec(rows, 1), _row_spec(rows, 1), _row_spec(rows, vocab)),
+            input_output_aliases={0: 2} if alias else {},
+            compiler_params=_compiler_params(blocks), interpret=_interpret_arg(interpret),
+            name="grpo_one_pass",
+        )(zz, *per_row)
+
+    main, rest = _split_rows(n, blocks.block_rows)
+    if not rest:
+        out = call(z, cols, blocks.block_rows, n // blocks.block_rows, n, alias_logits)
+    else:
+        tail = call(z[main:], [c[main:] for c in cols], rest, 1, rest, False)
+        if main:  # as logits_gradient: the blocks write rows [0, main), the rest goes in place
+            out = call(z, cols, blocks.block_rows, main // blocks.block_rows, n, False)
+            out = tuple(jax.lax.dynamic_update_slice_in_dim(o, t, main, 0)
+                        for o, t in zip(out, tail))
+        else:
+            out = tail
+    logp, ent, dz = out
+    return logp[:, 0], ent[:, 0], dz
