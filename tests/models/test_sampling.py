@@ -103,3 +103,8 @@ def test_bad_arguments(model):
         generate(model, PROMPTS, max_new_tokens=2, top_p=1.5, eos_ids=[1])
     with pytest.raises(ValueError, match="eos_ids"):
         generate(model, PROMPTS, max_new_tokens=2, eos_ids=[])
+    context = model.config.max_position_embeddings
+    longest = max(len(p) for p in PROMPTS)
+    with pytest.raises(ValueError, match=f"max_new_tokens={context} after a prompt of "
+                       f"{longest} tokens .* max_position_embeddings is {context}"):
+        generate(model, PROMPTS, max_new_tokens=context, eos_ids=[1])

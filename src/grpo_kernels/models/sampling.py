@@ -162,6 +162,12 @@ def generate(model: Decoder, prompts: Sequence[Sequence[int]], *, num_generation
     """
     _check(prompts, num_generations, max_new_tokens, temperature, top_k, top_p, eos_ids)
     rows = [list(map(int, p)) for p in prompts for _ in range(num_generations)]
+    context = model.config.max_position_embeddings
+    longest = max(len(r) for r in rows)
+    if longest + max_new_tokens > context:  # no cap of our own: the model's context is the limit
+        raise ValueError(f"max_new_tokens={max_new_tokens} after a prompt of {longest} tokens "
+                         f"needs {longest + max_new_tokens} positions; the model's "
+                         f"max_position_embeddings is {context}")
     width = -(-max(len(r) for r in rows) // PROMPT_BUCKET) * PROMPT_BUCKET
     prompt = np.full((len(rows), width), pad_id, np.int32)
     prompt_mask = np.zeros((len(rows), width), np.int32)
