@@ -1,0 +1,99 @@
+"""One process of tests/sharding/test_multiprocess.py (run as a script, never collected).
+
+    python tests/sharding/multiprocess_worker.py PORT NUM_PROCESSES PROCESS_ID OUT.npz
+
+Joins ``jax.distributed`` on 127.0.0.1 with gloo CPU collectives, builds a global
+``(dp=2, tp=4)`` mesh whose vocabulary axis spans the processes, and runs both sharded ops
+(xla) on every loss type at token and sequence level. Process 0 writes every loss and gradient,
+gathered to the host, into ``OUT.npz``. Each process makes the same inputs from the same seed
+and puts only its own shards on its devices.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import numpy as np
+
+port, num_processes, process_id, out = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
+                                        sys.argv[4])
+die = len(sys.argv) > 5 and sys.argv[5] == "--die"  # the last process exits after joining
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes, process_id,
+                           initialization_timeout=60, heartbeat_timeout_seconds=10)
+if die and process_id == num_processes - 1:
+    os._exit(17)  # no shutdown: as a crash looks to the others
+
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from grpo_kernels import GRPOLossConfig  # noqa: E402
+from grpo_kernels.sharding import (  # noqa: E402
+    ShardingSpec,
+    sharded_grpo_loss,
+    sharded_grpo_loss_from_hidden,
+)
+from tests.sharding.multiprocess_cases import CASES, head_inputs, logits_inputs  # noqa: E402
+
+# (dp=2, tp=4): each tp row holds devices of both processes, so the vocabulary's psums and
+# pmaxes cross the process boundary.
+devices = np.array(jax.devices()).reshape(4, 2).T
+assert all(len({d.process_index for d in row}) == num_processes for row in devices), devices
+mesh = Mesh(devices, ("dp", "tp"))
+spec = ShardingSpec(("dp",), "tp")
+
+
+def put(x, *axes):
+    """A global array of the host value ``x`` (the same on every process), sharded by axes."""
+    if x is None:
+        return None
+    x = np.asarray(x)
+    sharding = NamedSharding(mesh, P(*axes))
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def gather(x):
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def scalar(x):
+    return np.asarray(x.addressable_data(0))  # replicated on every device
+
+
+results = {}
+for i, cfg_kwargs in enumerate(CASES):
+    cfg = GRPOLossConfig(**cfg_kwargs)
+    inp = logits_inputs(i, cfg)
+    batch = dict(ids=put(inp.ids, "dp"), mask=put(inp.mask, "dp"),
+                 advantages=put(inp.advantages, "dp"))
+    kwargs = {k: put(v, "dp") for k, v in inp.kwargs().items()}
+
+    def logits_loss(z, batch=batch, kwargs=kwargs, cfg=cfg):
+        return sharded_grpo_loss(z, batch["ids"], batch["mask"], batch["advantages"],
+                                 mesh=mesh, sharding=spec, config=cfg, impl="xla", **kwargs)[0]
+
+    loss, grad = jax.jit(jax.value_and_grad(logits_loss))(put(inp.logits, "dp", None, "tp"))
+    results[f"logits_{i}_loss"], results[f"logits_{i}_grad"] = scalar(loss), gather(grad)
+
+    hin = head_inputs(i, cfg)
+    hbatch = dict(ids=put(hin.ids, "dp"), mask=put(hin.mask, "dp"),
+                  advantages=put(hin.advantages, "dp"))
+    hkwargs = {k: put(v, "dp") for k, v in hin.kwargs().items()}
+
+    def head_loss(h, w, batch=hbatch, kwargs=hkwargs, cfg=cfg):
+        return sharded_grpo_loss_from_hidden(
+            h, w, batch["ids"], batch["mask"], batch["advantages"], mesh=mesh, sharding=spec,
+            config=cfg, impl="xla", **kwargs)[0]
+
+    loss, (dh, dw) = jax.jit(jax.value_and_grad(head_loss, argnums=(0, 1)))(
+        put(hin.hidden, "dp"), put(hin.lm_head, None, "tp"))
+    results[f"head_{i}_loss"] = scalar(loss)
+    results[f"head_{i}_dhidden"], results[f"head_{i}_dw"] = gather(dh), gather(dw)
+
+if process_id == 0:
+    np.savez(out, **results)
+print(f"process {process_id}: {len(CASES)} cases done", flush=True)
+jax.distributed.shutdown()

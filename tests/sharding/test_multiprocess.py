@@ -1,0 +1,98 @@
+"""Both sharded ops across two processes (``jax.distributed`` on 127.0.0.1, gloo collectives,
+4 CPU devices each): a ``(dp=2, tp=4)`` mesh whose vocabulary axis spans the processes, every
+loss type at token and sequence level, equal to the one-process reference.
+
+The workers (multiprocess_worker.py) run in their own processes with their own XLA_FLAGS, so
+this test runs in either pytest run; it compiles 32 programs per process (about a minute).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from grpo_kernels import GRPOLossConfig, grpo_loss, grpo_loss_from_hidden
+from tests.helpers import rel_err
+from tests.sharding.multiprocess_cases import CASES, head_inputs, logits_inputs
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = dict(loss=2e-6, grad=2e-5)  # the core float32 tolerances (test_impls.py)
+LIMIT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_workers(out: Path, *extra: str, limit_s: float = LIMIT_S):
+    """Both worker processes to the end; ``[(returncode, stdout, stderr), ...]``, wall s."""
+    port = _free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    start = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/sharding/multiprocess_worker.py"),
+                               str(port), "2", str(i), str(out), *extra], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        logs = [p.communicate(timeout=limit_s) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [(p.returncode, *log) for p, log in zip(procs, logs)], time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mp") / "results.npz"
+    runs, _ = _run_workers(out)
+    for i, (rc, stdout, stderr) in enumerate(runs):
+        assert rc == 0, f"process {i} failed:\n{stdout}\n{stderr[-3000:]}"
+    return dict(np.load(out))
+
+
+def test_a_dead_process_stops_the_others(tmp_path):
+    """Process 1 exits right after joining, as a crash would. Process 0, at its first
+    collective, is stopped by the coordination service's heartbeat check (10 s in the worker)
+    with an error that says another task died. The bound here is 90 s; it never hangs."""
+    (rc0, _, err0), (rc1, _, _) = _run_workers(tmp_path / "none.npz", "--die", limit_s=90)[0]
+    assert rc1 == 17
+    assert rc0 != 0 and "another task died" in err0, err0[-2000:]
+    assert not (tmp_path / "none.npz").exists()
+
+
+def close(loss, want):
+    """The loss check of the one-process sharded tests (test_sharding.py)."""
+    np.testing.assert_allclose(float(loss), float(want), rtol=TOL["loss"], atol=TOL["loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(len(CASES)),
+                         ids=[f"{c['loss_type']}-{c['importance_sampling_level']}" for c in CASES])
+def test_two_processes_equal_one(results, i):
+    cfg = GRPOLossConfig(**CASES[i])
+    inp = logits_inputs(i, cfg)
+    loss, grad = jax.value_and_grad(lambda z: grpo_loss(
+        z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="reference",
+        **inp.kwargs())[0])(inp.logits)
+    close(results[f"logits_{i}_loss"], loss)
+    assert rel_err(results[f"logits_{i}_grad"], grad) <= TOL["grad"]
+    assert np.isfinite(results[f"logits_{i}_grad"]).all()
+
+    hin = head_inputs(i, cfg)
+    loss, (dh, dw) = jax.value_and_grad(lambda h, w: grpo_loss_from_hidden(
+        h, w, hin.ids, hin.mask, hin.advantages, config=cfg, impl="reference",
+        **hin.kwargs())[0], argnums=(0, 1))(hin.hidden, hin.lm_head)
+    close(results[f"head_{i}_loss"], loss)
+    assert rel_err(results[f"head_{i}_dhidden"], dh) <= TOL["grad"]
+    assert rel_err(results[f"head_{i}_dw"], dw) <= TOL["grad"]
