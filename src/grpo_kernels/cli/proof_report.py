@@ -123,11 +123,16 @@ def _target(name: str, value: float | None, target: str, met: bool | None,
     return {"name": name, "value": value, "target": target, "met": met, "note": note}
 
 
+def _issue_shapes(fig: dict[str, Any]) -> list[str]:
+    """The logits shapes the issue's targets name (``B.._T..``), not the aligned-vocabulary
+    extra (``B.._T.._V..``)."""
+    return [s for s in fig["logits"] if s.count("_") == 1]
+
+
 def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 20's numbers, each met, missed (by how much, in ``note``) or unmeasured (None)."""
     out = []
-    shapes = [s for s in fig["logits"] if s.count("_") == 1]  # B.._T.., not the aligned extra
-    for s in shapes:
+    for s in _issue_shapes(fig):
         t = fig["logits"][s]
         if "pallas" not in t:
             continue
@@ -164,9 +169,9 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
 def auto_impl(fig: dict[str, Any]) -> str | None:
     """The ``MEASURED_DEFAULTS`` entry this run supports: "pallas" when it beat xla at every
     logits shape, "xla" when it lost at one, None when unmeasured."""
+    shapes = [fig["logits"][s] for s in _issue_shapes(fig)]
     wins = [t["pallas"]["median_ms"] < t["xla"]["median_ms"]
-            for s, t in fig["logits"].items()
-            if s.count("_") == 1 and "pallas" in t and "xla" in t]  # not the aligned extra
+            for t in shapes if "pallas" in t and "xla" in t]
     return None if not wins else ("pallas" if all(wins) else "xla")
 
 

@@ -168,7 +168,7 @@ def generate(model: Decoder, prompts: Sequence[Sequence[int]], *, num_generation
         raise ValueError(f"max_new_tokens={max_new_tokens} after a prompt of {longest} tokens "
                          f"needs {longest + max_new_tokens} positions; the model's "
                          f"max_position_embeddings is {context}")
-    width = -(-max(len(r) for r in rows) // PROMPT_BUCKET) * PROMPT_BUCKET
+    width = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
     prompt = np.full((len(rows), width), pad_id, np.int32)
     prompt_mask = np.zeros((len(rows), width), np.int32)
     for i, r in enumerate(rows):

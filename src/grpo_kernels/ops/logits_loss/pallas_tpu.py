@@ -178,10 +178,29 @@ def _interpret_arg(interpret: bool | str):
     return pltpu.InterpretParams(out_of_bounds_reads="raise") if interpret else False
 
 
-def _split_rows(n: int, block_rows: int) -> tuple[int, int]:
-    """``(rows in full blocks, leftover rows)``."""
-    main = n // block_rows * block_rows
-    return main, n - main
+def _over_row_blocks(call: Callable, z: Array, cols: list[Array], block_rows: int,
+                     alias: bool = False) -> Any:
+    """``call``'s ``[N, ...]`` outputs (any pytree) over all ``N`` rows of ``z``.
+
+    ``call(zz, per_row, rows, grid, out_rows, alias)`` runs a kernel on a grid of ``grid``
+    blocks of ``rows`` rows of ``zz`` (and of the ``[N, 1]`` columns ``per_row``) into outputs
+    of ``out_rows`` rows. The full blocks write rows ``[0, main)`` of ``[N, ...]`` outputs; the
+    leftover rows run as one block over a small copy of just those rows and go in with an
+    in-place ``dynamic_update_slice`` (no second ``[N, V]`` buffer), so no block ever reads
+    past the array. Aliasing applies only when ``N`` is a multiple of ``block_rows`` (B*T at
+    real shapes), where the blocks cover the whole buffer.
+    """
+    n = z.shape[0]
+    main = n // block_rows * block_rows  # rows in full blocks; the rest are leftovers
+    rest = n - main
+    if not rest:
+        return call(z, cols, block_rows, n // block_rows, n, alias)
+    tail = call(z[main:], [c[main:] for c in cols], rest, 1, rest, False)
+    if not main:
+        return tail
+    out = call(z, cols, block_rows, main // block_rows, n, False)
+    return jax.tree.map(lambda o, t: jax.lax.dynamic_update_slice_in_dim(o, t, main, 0),
+                        out, tail)
 
 
 def row_statistics(z: Array, ids: Array, temperature: float, blocks: TpuBlocks,
@@ -200,24 +219,19 @@ def row_statistics(z: Array, ids: Array, temperature: float, blocks: TpuBlocks,
     kernel = functools.partial(_stats_kernel, block_vocab=blocks.block_vocab,
                                inv_tau=1.0 / temperature)
 
-    def call(zz, ii, rows, grid):
-        out = out_struct((rows * grid, 1), _F32, zz, ii)
+    def call(zz, per_row, rows, grid, out_rows, alias):
+        del alias  # the statistics never write into the logits
+        out = out_struct((out_rows, 1), _F32, zz, *per_row)
         return pl.pallas_call(
             kernel, grid=(grid,), out_shape=(out, out, out),
             in_specs=[_row_spec(rows, vocab), _row_spec(rows, 1)],
             out_specs=(_row_spec(rows, 1),) * 3,
             compiler_params=_compiler_params(blocks), interpret=_interpret_arg(interpret),
             name="grpo_row_statistics",
-        )(zz, ii)
+        )(zz, *per_row)
 
-    main, rest = _split_rows(n, blocks.block_rows)
-    parts = []
-    if main:
-        parts.append(call(z, ids, blocks.block_rows, main // blocks.block_rows))
-    if rest:  # the leftover rows: one block that spans all of a small copy of them
-        parts.append(call(z[main:], ids[main:], rest, 1))
-    logp, lse, ent = (jnp.concatenate([p[k] for p in parts])[:, 0] for k in range(3))
-    return logp, lse, ent
+    logp, lse, ent = _over_row_blocks(call, z, [ids], blocks.block_rows)
+    return logp[:, 0], lse[:, 0], ent[:, 0]
 
 
 def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: float,
@@ -255,17 +269,7 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
             name="grpo_logits_gradient",
         )(zz, *per_row)
 
-    main, rest = _split_rows(n, blocks.block_rows)
-    if not rest:
-        return call(z, cols, blocks.block_rows, n // blocks.block_rows, n, alias_logits)
-    tail = call(z[main:], [c[main:] for c in cols], rest, 1, rest, False)
-    if not main:
-        return tail
-    # The full blocks write rows [0, main) of an [N, V] output; the leftover rows go in with an
-    # in-place dynamic_update_slice (no second [N, V] buffer). Aliasing applies only when N is
-    # a multiple of block_rows (B*T at real shapes), where the blocks cover the whole buffer.
-    out = call(z, cols, blocks.block_rows, main // blocks.block_rows, n, False)
-    return jax.lax.dynamic_update_slice_in_dim(out, tail, main, 0)
+    return _over_row_blocks(call, z, cols, blocks.block_rows, alias_logits)
 
 
 def one_pass(z: Array, ids: Array, columns: dict[str, Array | None], row_grad: Callable,
@@ -308,16 +312,5 @@ def one_pass(z: Array, ids: Array, columns: dict[str, Array | None], row_grad: C
             name="grpo_one_pass",
         )(zz, *per_row)
 
-    main, rest = _split_rows(n, blocks.block_rows)
-    if not rest:
-        out = call(z, cols, blocks.block_rows, n // blocks.block_rows, n, alias_logits)
-    else:
-        tail = call(z[main:], [c[main:] for c in cols], rest, 1, rest, False)
-        if main:  # as logits_gradient: the blocks write rows [0, main), the rest goes in place
-            out = call(z, cols, blocks.block_rows, main // blocks.block_rows, n, False)
-            out = tuple(jax.lax.dynamic_update_slice_in_dim(o, t, main, 0)
-                        for o, t in zip(out, tail))
-        else:
-            out = tail
-    logp, ent, dz = out
+    logp, ent, dz = _over_row_blocks(call, z, cols, blocks.block_rows, alias_logits)
     return logp[:, 0], ent[:, 0], dz
