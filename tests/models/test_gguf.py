@@ -12,8 +12,8 @@ transformers = pytest.importorskip("transformers", reason="transformers (dev ext
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import quantize  # noqa: E402
 
-from grpo_kernels.models.gguf_loader import (load_gguf, smollm2_path,  # noqa: E402
-                                             tokenizer_from_gguf, unpermute_rows)
+from grpo_kernels.models.gguf_loader import (gguf_metadata, load_gguf,  # noqa: E402
+                                             smollm2_path, tokenizer_from_gguf, unpermute_rows)
 from tests.models.kquants import quantize_q4_k, quantize_q6_k  # noqa: E402
 from tests.models.test_hf import IDS, SMALL, hf_logits  # noqa: E402
 
@@ -150,6 +150,26 @@ def test_bad_gguf_files(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="unknown architecture 'gpt2'"):
         load_gguf(str(tmp_path / "gpt.gguf"))
+
+
+def _write_metadata(path, template):
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_string("tokenizer.chat_template", template)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_metadata_of_a_rewritten_file_is_read_again(tmp_path):
+    # The parsed file is shared between readers (parsing costs seconds); a rewrite must not be
+    # served from it.
+    path = tmp_path / "m.gguf"
+    _write_metadata(path, "first")
+    assert gguf_metadata(str(path), "tokenizer.chat_template") == "first"
+    _write_metadata(path, "second, longer")
+    assert gguf_metadata(str(path), "tokenizer.chat_template") == "second, longer"
+    assert gguf_metadata(str(path), "no.such.key", "default") == "default"
 
 
 def _smollm2():
