@@ -12,9 +12,10 @@ differentiates it, except an untied input embedding: its gradient is the same sc
 path and not part of the head (a tied head's weights are the embedding, so there it stays).
 The figure is XLA's plan, `memory_analysis().temp_size_in_bytes`, on this CPU's backend.
 
-Contenders: tunix's own "grpo"; our registered "grpo_kernels_fused" (default options); and the
-same with `LmHeadBlockSizes(dweight="vocab")`, which forms the weight gradient by vocabulary
-blocks instead of a float32 [H, V] accumulator.
+Contenders: tunix's own "grpo"; our registered "grpo_kernels_fused" (default options: the weight
+gradient by vocabulary blocks, `LmHeadBlockSizes(dweight="vocab")`); and the same with
+`LmHeadBlockSizes()`, the op's faster default, whose float32 [H, V] accumulator sums the weight
+gradient over token chunks.
 """
 
 from __future__ import annotations
@@ -39,9 +40,8 @@ def _contenders() -> dict[str, Any]:
 
     return {"grpo": function_registry.get_policy_loss_fn("grpo"),
             "grpo_kernels_fused": function_registry.get_policy_loss_fn("grpo_kernels_fused"),
-            "grpo_kernels_fused, dweight=vocab": functools.partial(
-                ours.fused_policy_loss, impl="auto",
-                options=LmHeadBlockSizes(dweight="vocab"))}
+            "grpo_kernels_fused, dweight=tokens": functools.partial(
+                ours.fused_policy_loss, impl="auto", options=LmHeadBlockSizes())}
 
 
 def temp_bytes(loss_fn: Any, hidden: int, tokens: int, vocab: int) -> int:

@@ -171,6 +171,17 @@ def test_fused_update_holds_no_logits_sized_temporaries():
     assert fused_bytes < 0.5 * logits_f32, (fused_bytes, tunix_bytes)
 
 
+def test_fused_default_forms_dweight_by_vocabulary_blocks():
+    """Registered without options, the fused loss runs XLA with dweight="vocab" (no float32
+    [H, V] accumulator; tests/ops/lm_head_loss checks what that plans); given options, or on
+    Pallas, it takes what it is given."""
+    assert ours.fused_options("auto", None) == LmHeadBlockSizes(dweight="vocab")
+    assert ours.fused_options("xla", None) == LmHeadBlockSizes(dweight="vocab")
+    assert ours.fused_options("pallas", None) is None
+    chunks = LmHeadBlockSizes(chunk_tokens=16)
+    assert ours.fused_options("auto", chunks) is chunks
+
+
 class NotATunixModel:
     pass
 

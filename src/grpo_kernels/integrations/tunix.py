@@ -28,7 +28,9 @@ import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import log_importance_ratio, token_terms, token_weights
+from grpo_kernels.ops.lm_head_loss.api import default_impl as default_head_impl
 from grpo_kernels.ops.lm_head_loss.api import grpo_loss_from_hidden
+from grpo_kernels.ops.lm_head_loss.xla import LmHeadBlockSizes
 from grpo_kernels.ops.logits_loss.api import grpo_loss
 
 Array = jax.Array
@@ -309,9 +311,25 @@ def fused_policy_loss(model: Any, train_example: Any, algo_config: Any, pad_id: 
     head = lm_head(model, hidden)
     loss, metrics = grpo_loss_from_hidden(
         hidden.astype(head.dtype), head.weights, ex.ids, ex.mask, ex.advantages, config=config,
-        impl=impl, options=options, lm_head_layout=head.layout, logits_dtype=head.dtype,
-        **_loss_kwargs(ex))
+        impl=impl, options=fused_options(impl, options), lm_head_layout=head.layout,
+        logits_dtype=head.dtype, **_loss_kwargs(ex))
     return loss, tunix_aux(metrics, ex, config, _field(algo_config, "epsilon_c"))
+
+
+def fused_options(impl: str, options: Any) -> Any:
+    """The fused loss's options: ``options`` when given; else, where the XLA implementation
+    runs, ``LmHeadBlockSizes(dweight="vocab")``.
+
+    tunix users come for memory: the op's own default keeps a float32 ``[H, V]``
+    weight-gradient accumulator (2.3 GiB at Qwen3-8B's head), which at a few thousand tokens
+    is most of what the fused loss plans. By vocabulary blocks it is gone, for one more matmul
+    of the logits' size (docs/integrations/tunix.md has both). Pass
+    ``LmHeadBlockSizes()`` for the faster mode.
+    """
+    if options is not None:
+        return options
+    chosen = default_head_impl() if impl == "auto" else impl
+    return LmHeadBlockSizes(dweight="vocab") if chosen == "xla" else None
 
 
 def register(impl: str = "auto", options: Any = None,
@@ -321,7 +339,8 @@ def register(impl: str = "auto", options: Any = None,
     Done on import with the defaults; call it again to choose the implementation (``impl``)
     or its options: ``options`` for ``"grpo_kernels"`` (``XlaBlockSizes`` / ``PallasOptions``),
     ``fused_options`` for ``"grpo_kernels_fused"`` (``LmHeadBlockSizes`` /
-    ``LmHeadPallasOptions``, e.g. a smaller ``chunk_bytes``). tunix logs that it overwrites
+    ``LmHeadPallasOptions``, e.g. a smaller ``chunk_bytes``; ``None``: :func:`fused_options`'s
+    choice). tunix logs that it overwrites
     the earlier registration.
     """
     from tunix.rl import function_registry

@@ -273,6 +273,10 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
     return stats, grads
 
 
+# Slabs of vocabulary columns of a 16-bit weight gradient, one rewrite of dW each (vocab_sweep).
+DWEIGHT_SLABS = 8
+
+
 def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array,
                 row: RowGrad, cols: int) -> tuple[Array, Array | None]:
     r"""``dW`` and ``db`` in one pass over blocks of ``cols`` vocabulary columns, every token at
@@ -288,30 +292,65 @@ def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array
     weight dtype once, so no ``[H, V]`` float32 accumulator exists. The price is the logits'
     matmul a second time (four matmuls of the logits' size per step instead of three).
 
+    How the blocks reach ``dW`` decides whether a second weight-sized buffer exists (XLA:CPU's
+    plan; docs/lm_head.md). XLA:CPU updates a 16-bit array in place only through an integer
+    view (a bfloat16 update-slice is widened to float32 and rewrites the whole array), and
+    turning a whole ``dW``-sized integer view back into floats is a copy. So 16-bit blocks go
+    into an integer view of one slab of ``V /`` :data:`DWEIGHT_SLABS` columns (whole blocks), and
+    each finished slab into ``dW`` by one update: that many rewrites of ``dW`` for at most two slabs of extra memory.
+    float32 blocks go into ``dW`` directly.
+
     Returns:
       ``(dW in W's dtype and layout, db float32 or None)``.
     """
     vocab, axis = head.vocab, (1 if head.layout == "hv" else 0)
     coef = row.map(lambda x: x.astype(_F32)).over(temperature)
+    dtype = head.w.dtype
 
-    def block(col, width, carry):
-        dw_bits, db = carry
+    def block(col, width, w):
+        """``(dW, db)`` of the columns ``col .. col + width``, dW in its layout and dtype."""
         bias = None if head.bias is None else jax.lax.dynamic_slice_in_dim(head.bias, col, width)
-        part = Head(_slice_rows(head.w, col, width, axis=axis), bias, head.layout,
-                    head.logits_dtype)
+        part = Head(_slice_rows(w, col, width, axis=axis), bias, head.layout, head.logits_dtype)
         s = part.logits(h).astype(_F32) / temperature
         delta = logits_delta(s, ids, coef, lse, head, col)
         if head.layout == "hv":
             upd = matmul(h, delta, ((0,), (0,)))  # [H, cols]
         else:
             upd = matmul(delta, h, ((0,), (0,)))  # [cols, H]
-        upd = _as_bits(upd.astype(head.w.dtype))
-        dw_bits = jax.lax.dynamic_update_slice_in_dim(dw_bits, upd, col, axis)
-        if db is not None:
-            db = jax.lax.dynamic_update_slice_in_dim(db, jnp.sum(delta.astype(_F32), 0), col, 0)
-        return dw_bits, db
+        return upd.astype(dtype), None if head.bias is None else jnp.sum(delta.astype(_F32), 0)
 
-    init = (_as_bits(jnp.zeros(head.w.shape, head.w.dtype)),
-            None if head.bias is None else jnp.zeros((vocab,), _F32))
-    dw_bits, db = sweep(vocab, min(cols, vocab), block, init, like=(h, ids, head.w, lse, row.g))
-    return _from_bits(dw_bits, head.w.dtype), db
+    def columns(offset, width, dw, db, as_bits):
+        """Blocks of ``cols`` columns over ``offset .. offset + width``, into ``dw`` (a slab
+        starting at ``offset`` when ``as_bits``, else the whole ``dW``) and ``db``."""
+        def body(col, size, carry):
+            dw, db, w = carry
+            # The barrier ties W to the loop's state: without it XLA hoists W's integer view
+            # (a whole copy) out of the loop; with it each block's slice reads W in place.
+            w_now, dw = jax.lax.optimization_barrier((w, dw))
+            upd, dbb = block(offset + col, size, w_now)
+            at = col if as_bits else offset + col
+            dw = jax.lax.dynamic_update_slice_in_dim(dw, _as_bits(upd) if as_bits else upd, at,
+                                                     axis)
+            if db is not None:
+                db = jax.lax.dynamic_update_slice_in_dim(db, dbb, offset + col, 0)
+            return dw, db, w
+
+        dw, db, _ = sweep(width, min(cols, width), body, (dw, db, head.w),
+                          like=(h, ids, head.w, lse, row.g))
+        return dw, db
+
+    like = (h, ids, head.w, lse, row.g)
+    dw = vary_like(jnp.zeros(head.w.shape, dtype), *like)
+    db = None if head.bias is None else vary_like(jnp.zeros((vocab,), _F32), *like)
+    if dtype.itemsize != 2:
+        return columns(0, vocab, dw, db, as_bits=False)
+    slab = -(-vocab // DWEIGHT_SLABS // cols) * cols  # whole blocks per slab
+
+    def put_slab(start, width, carry):
+        dw, db = carry
+        shape = (head.w.shape[0], width) if axis == 1 else (width, head.w.shape[1])
+        bits = vary_like(jnp.zeros(shape, jnp.uint16), *like)
+        bits, db = columns(start, width, bits, db, as_bits=True)
+        return jax.lax.dynamic_update_slice_in_dim(dw, _from_bits(bits, dtype), start, axis), db
+
+    return sweep(vocab, min(slab, vocab), put_slab, (dw, db), like=like)
