@@ -257,24 +257,46 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
     # summed over the vocab axis per chunk does not vary over it.
     like = (h, ids, head.w) + (() if lse is None else (lse,))
     stats0 = vary_like(tuple(jnp.zeros((n,), _F32) for _ in range(3)), *like)
-    grads0 = None
-    if grad_fn is not None:
-        dh0 = _as_bits(jnp.zeros((n, hidden), h.dtype))
-        dh0 = vary_like(dh0, h) if reduce_dh is not None else vary_like(dh0, *like)
-        grads0 = (dh0, None, None)
-        if dweight:
-            grads0 = (dh0, vary_like(jnp.zeros((hidden, vocab), _F32), *like),
-                      None if head.bias is None else vary_like(jnp.zeros((vocab,), _F32), *like))
-    stats, grads = sweep(n, rows, chunk, (stats0, grads0))
-    if grads is not None:
-        dh, dw, db = grads
-        grads = (_from_bits(dh, h.dtype),
-                 dw if dw is None or head.layout == "hv" else dw.T, db)
-    return stats, grads
+    if grad_fn is None:
+        return sweep(n, rows, chunk, (stats0, None))[0], None
+    dh_like = (h,) if reduce_dh is not None else like
+    dw0, db0 = None, None
+    if dweight:
+        dw0 = vary_like(jnp.zeros((hidden, vocab), _F32), *like)
+        db0 = None if head.bias is None else vary_like(jnp.zeros((vocab,), _F32), *like)
+    dh0 = vary_like(_as_bits(jnp.zeros((n, hidden), h.dtype)), *dh_like)
+    stats, (dh, dw, db) = sweep(n, rows, chunk, (stats0, (dh0, dw0, db0)))
+    dh = _from_bits(dh, h.dtype)
+    return stats, (dh, dw if dw is None or head.layout == "hv" else dw.T, db)
 
 
-# Slabs of vocabulary columns of a 16-bit weight gradient, one rewrite of dW each (vocab_sweep).
+# Slabs of a 16-bit gradient written by blocks (in_slabs): one rewrite of the whole each.
 DWEIGHT_SLABS = 8
+
+
+def in_slabs(n: int, block: int, out: Array, axis: int,
+             fill: Callable[[Any, int, Array, Any], tuple[Array, Any]], carry: Any,
+             like: tuple[Any, ...] = ()) -> tuple[Array, Any]:
+    """``out`` (16-bit) written along ``axis`` over ``[0, n)``, in slabs of whole ``block``s.
+
+    ``fill(start, width, bits, carry) -> (bits, carry)`` fills ``bits``, a zero ``uint16``
+    slab of ``width`` along ``axis`` that starts at ``start`` of ``out``, by blocks (in place:
+    XLA:CPU widens a bfloat16 update-slice to float32 and rewrites the whole array, an integer
+    one it does not). Each finished slab goes into ``out`` by one update. A whole-``out``
+    integer view would instead be turned back into floats by a copy of ``out`` (XLA:CPU
+    shares a buffer only between arrays of one element type): this way the extra memory is
+    at most two slabs (``2 / DWEIGHT_SLABS`` of ``out``), for :data:`DWEIGHT_SLABS` rewrites.
+    """
+    slab = -(-n // DWEIGHT_SLABS // block) * block
+
+    def put(start, width, c):
+        out, carry = c
+        shape = out.shape[:axis] + (width,) + out.shape[axis + 1:]
+        bits, carry = fill(start, width, vary_like(jnp.zeros(shape, jnp.uint16), *like), carry)
+        return jax.lax.dynamic_update_slice_in_dim(out, _from_bits(bits, out.dtype), start,
+                                                   axis), carry
+
+    return sweep(n, min(slab, n), put, (out, carry), like=like)
 
 
 def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array,
@@ -292,13 +314,9 @@ def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array
     weight dtype once, so no ``[H, V]`` float32 accumulator exists. The price is the logits'
     matmul a second time (four matmuls of the logits' size per step instead of three).
 
-    How the blocks reach ``dW`` decides whether a second weight-sized buffer exists (XLA:CPU's
-    plan; docs/lm_head.md). XLA:CPU updates a 16-bit array in place only through an integer
-    view (a bfloat16 update-slice is widened to float32 and rewrites the whole array), and
-    turning a whole ``dW``-sized integer view back into floats is a copy. So 16-bit blocks go
-    into an integer view of one slab of ``V /`` :data:`DWEIGHT_SLABS` columns (whole blocks), and
-    each finished slab into ``dW`` by one update: that many rewrites of ``dW`` for at most two slabs of extra memory.
-    float32 blocks go into ``dW`` directly.
+    16-bit blocks go into ``dW`` through :func:`in_slabs` (no weight-sized copy on XLA:CPU),
+    float32 ones directly. The loop passes ``W`` through an ``optimization_barrier`` with its
+    state, so that XLA does not hoist ``W``'s integer view (a whole copy) out of it.
 
     Returns:
       ``(dW in W's dtype and layout, db float32 or None)``.
@@ -344,13 +362,6 @@ def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array
     db = None if head.bias is None else vary_like(jnp.zeros((vocab,), _F32), *like)
     if dtype.itemsize != 2:
         return columns(0, vocab, dw, db, as_bits=False)
-    slab = -(-vocab // DWEIGHT_SLABS // cols) * cols  # whole blocks per slab
-
-    def put_slab(start, width, carry):
-        dw, db = carry
-        shape = (head.w.shape[0], width) if axis == 1 else (width, head.w.shape[1])
-        bits = vary_like(jnp.zeros(shape, jnp.uint16), *like)
-        bits, db = columns(start, width, bits, db, as_bits=True)
-        return jax.lax.dynamic_update_slice_in_dim(dw, _from_bits(bits, dtype), start, axis), db
-
-    return sweep(vocab, min(slab, vocab), put_slab, (dw, db), like=like)
+    return in_slabs(vocab, min(cols, vocab), dw, axis,
+                    lambda start, width, bits, db: columns(start, width, bits, db, True),
+                    db, like)
