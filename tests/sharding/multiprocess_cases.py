@@ -28,3 +28,44 @@ def logits_inputs(i, cfg):
 
 def head_inputs(i, cfg):
     return random_head_inputs(200 + i, B, HT, HH, HV, jnp.float32, cfg)
+
+
+# The trainer case: one update of the test trainer's small random model on a fixed batch of
+# 8 rows (two micro-batches of 4, one row per device of the dp axis), beta on (so the
+# reference log-probs come back from the mesh too), both heads. Adam's eps = 1 makes the step
+# about lr * g, so parameters after it compare like gradients; with a small eps each weight
+# moves by about lr * sign(g), and a gradient near zero (most of a tied head's rows) flips
+# with float32 rounding. The large rate keeps the moves far above the float32 spacing of the
+# weights (~1e-9 at 0.01): at lr = 0.1 a move of 3e-7 is only known to 3e-3.
+TRAINER_HEADS = ("logits", "fused")
+
+
+def trainer_values(run_dir, head):
+    from tests.rl.test_trainer import _values
+
+    # float32 compute, so that both sides agree to float32 rounding rather than bfloat16's
+    return _values(run_dir, train={"steps": 1, "micro_batch_size": 4},
+                   model={"compute_dtype": "float32"},
+                   rollout={"batch_size": 8, "num_generations": 2},
+                   loss={"head": head, "impl": "xla"},
+                   optim={"learning_rate": 100.0, "eps": 1.0, "warmup_steps": 0},
+                   rewards={"functions": [{"name": "correctness"}]})  # no rollout is scored
+
+
+def trainer_batch(trainer, prompt=4, completion=6):
+    """A rollout-shaped :class:`~grpo_kernels.rl.policy.Batch` from a fixed seed: left-padded
+    prompts, completions that end early, group-varying advantages."""
+    import numpy as np
+
+    from grpo_kernels.rl.policy import Batch
+
+    rng = np.random.default_rng(7)
+    rows, vocab = trainer.config.rollout.batch_size, trainer.model.config.vocab_size
+    ids = rng.integers(0, vocab, (rows, prompt + completion), dtype=np.int32)
+    attention = np.ones_like(ids)
+    attention[::3, :2] = 0  # left padding
+    lengths = rng.integers(2, completion + 1, rows)
+    mask = (np.arange(completion)[None, :] < lengths[:, None]).astype(np.int32)
+    attention[:, prompt:] = mask
+    return Batch(ids=ids, attention=attention, mask=mask,
+                 advantages=rng.normal(size=rows).astype(np.float32), prompt_width=prompt)

@@ -1,6 +1,7 @@
-"""Both sharded ops across two processes (``jax.distributed`` on 127.0.0.1, gloo collectives,
-4 CPU devices each): a ``(dp=2, tp=4)`` mesh whose vocabulary axis spans the processes, every
-loss type at token and sequence level, equal to the one-process reference.
+"""Across two processes (``jax.distributed`` on 127.0.0.1, gloo collectives, 4 CPU devices
+each): both sharded ops on a ``(dp=2, tp=4)`` mesh whose vocabulary axis spans the processes,
+every loss type at token and sequence level, equal to the one-process reference; and one
+trainer update (both heads) on a ``(tp=2, dp=4)`` mesh, equal to the one-process update.
 
 The workers (multiprocess_worker.py) run in their own processes with their own XLA_FLAGS, so
 this test runs in either pytest run; it compiles 32 programs per process (about a minute).
@@ -21,7 +22,14 @@ import pytest
 
 from grpo_kernels import GRPOLossConfig, grpo_loss, grpo_loss_from_hidden
 from tests.helpers import rel_err
-from tests.sharding.multiprocess_cases import CASES, head_inputs, logits_inputs
+from tests.sharding.multiprocess_cases import (
+    CASES,
+    TRAINER_HEADS,
+    head_inputs,
+    logits_inputs,
+    trainer_batch,
+    trainer_values,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = dict(loss=2e-6, grad=2e-5)  # the core float32 tolerances (test_impls.py)
@@ -34,13 +42,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_workers(out: Path, *extra: str, limit_s: float = LIMIT_S):
-    """Both worker processes to the end; ``[(returncode, stdout, stderr), ...]``, wall s."""
+def _run_workers(out: Path, *extra: str, limit_s: float = LIMIT_S,
+                 worker: str = "multiprocess_worker.py"):
+    """Both processes of ``worker`` to the end; ``[(returncode, stdout, stderr), ...]``,
+    wall s."""
     port = _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
                XLA_FLAGS="--xla_force_host_platform_device_count=4")
     start = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/sharding/multiprocess_worker.py"),
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/sharding" / worker),
                                str(port), "2", str(i), str(out), *extra], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
@@ -96,3 +106,36 @@ def test_two_processes_equal_one(results, i):
     close(results[f"head_{i}_loss"], loss)
     assert rel_err(results[f"head_{i}_dhidden"], dh) <= TOL["grad"]
     assert rel_err(results[f"head_{i}_dw"], dw) <= TOL["grad"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head", TRAINER_HEADS)
+def test_trainer_update_across_processes_equals_one_process(tmp_path, head):
+    """One ``Trainer.update`` (reference log-probs, two micro-batches, AdamW) of the small
+    random model with the vocabulary axis across the processes: the same loss, grad norm and
+    parameters after the step as one process without a mesh."""
+    from grpo_kernels.rl.config import TrainConfig
+    from grpo_kernels.rl.trainer import Trainer
+
+    one = Trainer(TrainConfig.from_dict(trainer_values(tmp_path / "one", head)),
+                  progress=False)
+    before = [np.asarray(x) for x in jax.tree.leaves(one.state)]
+    want = one.update(trainer_batch(one))
+    after = [np.asarray(x) for x in jax.tree.leaves(one.state)]
+
+    out = tmp_path / "update.npz"
+    runs, _ = _run_workers(out, head, worker="multiprocess_trainer_worker.py")
+    for i, (rc, stdout, stderr) in enumerate(runs):
+        assert rc == 0, f"process {i} failed:\n{stdout}\n{stderr[-3000:]}"
+    got = dict(np.load(out))
+    np.testing.assert_allclose(got["metric_loss"], want["loss"], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got["metric_grad_norm"], want["grad_norm"], rtol=1e-4)
+    np.testing.assert_allclose(got["metric_kl"], want["kl"], rtol=1e-4, atol=1e-7)
+    assert len(got) - len(want) == len(after)
+    moved = 0.0
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):
+        p = got[f"param_{i}"]
+        assert p.shape == a.shape and np.isfinite(p).all()
+        assert rel_err(p - b, a - b) <= 1e-3, (i, rel_err(p - b, a - b))
+        moved = max(moved, float(np.abs(a - b).max()))
+    assert moved > 1e-4, moved  # the step did move the weights

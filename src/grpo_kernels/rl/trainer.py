@@ -64,6 +64,16 @@ def step_seed(seed: int, step: int) -> int:
 
 # --- the trainer ----------------------------------------------------------------------------
 
+def to_host(x: jax.Array) -> np.ndarray:
+    """The whole value of ``x`` on this host: a mesh that spans processes leaves each process
+    only its own shards, so the rest comes over the processes' collectives."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 class Trainer:
     """A GRPO run of ``config``; :meth:`run` trains (resuming from ``train.run_dir``)."""
 
@@ -143,7 +153,7 @@ class Trainer:
         for start in range(0, batch.rows, size):
             mb = self._put(batch.micro(start, size))
             fn = self._compiled("logp", batch.prompt_width, (state, mb))
-            out.append(np.asarray(fn(state, mb)))
+            out.append(to_host(fn(state, mb)))
         return np.concatenate(out) * batch.mask
 
     def update(self, batch: Batch) -> dict[str, float]:
