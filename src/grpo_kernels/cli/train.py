@@ -52,11 +52,17 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from grpo_kernels.rl import processes
     from grpo_kernels.rl.trainer import Trainer
 
     config = load_config(args, **{"train.run_dir": args.run_dir, "train.steps": args.steps,
                                   "loss.head": args.head, "loss.impl": args.impl})
-    records = Trainer(config, progress=not args.no_progress).run()
+    if processes.join(args.coordinator, args.num_processes, args.process_id):
+        records = processes.or_die(lambda: Trainer(config, progress=not args.no_progress).run())
+        if not processes.is_primary():
+            return 0
+    else:
+        records = Trainer(config, progress=not args.no_progress).run()
     last = records[-1] if records else None
     if last:
         print(f"step {last['step']}: reward {last['reward/mean']:.3f}, loss {last['loss']:.4g}, "
@@ -149,6 +155,15 @@ def add_parsers(sub: Any) -> None:
     _common(p)
     p.add_argument("--head", choices=LOSS_HEADS, help="override loss.head")
     p.add_argument("--impl", choices=LOSS_IMPLS, help="override loss.impl")
+    g = p.add_argument_group(
+        "several processes (one command per process or host; docs/sharding.md)",
+        "All three, or none (then from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and "
+        "JAX_PROCESS_ID when set). mesh.shape must cover every process's devices; each process "
+        "samples its share of each step's problems; process 0 writes metrics and samples, all "
+        "write checkpoints (a run dir every process can reach).")
+    g.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")
+    g.add_argument("--num-processes", type=int, help="number of processes")
+    g.add_argument("--process-id", type=int, help="this process's index, 0 .. N-1")
     p.set_defaults(run=run_train)
 
     p = sub.add_parser("ab", help="the same GRPO run with several losses, and a report",

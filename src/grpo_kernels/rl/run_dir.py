@@ -29,8 +29,9 @@ def peak_rss_bytes() -> int:
 
 
 def device_peak_bytes() -> int | None:
-    """``peak_bytes_in_use`` of the first device when the backend reports it (GPU, TPU)."""
-    stats = jax.devices()[0].memory_stats()
+    """``peak_bytes_in_use`` of this process's first device when the backend reports it (GPU,
+    TPU)."""
+    stats = jax.local_devices()[0].memory_stats()
     return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
@@ -85,11 +86,14 @@ def check_resumable(run_dir: str, config: dict[str, Any]) -> None:
 
 class RunDir:
     """The files of one run: ``open`` it at the step a run resumes from, ``write`` each step,
-    ``close`` at the end (also on a crash)."""
+    ``close`` at the end (also on a crash). With ``writes=False`` (every process of a
+    multi-process run but the first) it touches nothing."""
 
     def __init__(self, path: str, config: dict[str, Any], *, wandb_mode: str = "disabled",
-                 wandb_project: str = "grpo-kernels", run_name: str | None = None):
+                 wandb_project: str = "grpo-kernels", run_name: str | None = None,
+                 writes: bool = True):
         self.path = path
+        self.writes = writes
         self.config = config
         self.wandb_mode, self.wandb_project, self.run_name = wandb_mode, wandb_project, run_name
         self.records: list[dict[str, Any]] = []
@@ -97,6 +101,8 @@ class RunDir:
 
     def prepare(self) -> None:
         """Creates the directory, checks a run already there is resumable, saves the config."""
+        if not self.writes:
+            return
         os.makedirs(self.path, exist_ok=True)
         check_resumable(self.path, self.config)
         with open(os.path.join(self.path, CONFIG_FILE), "w", encoding="utf-8") as f:
@@ -104,6 +110,8 @@ class RunDir:
 
     def open(self, step: int) -> None:
         """Cuts the JSONL files back to ``step`` and opens them (and W&B) for appending."""
+        if not self.writes:
+            return
         metrics = os.path.join(self.path, METRICS_FILE)
         samples = os.path.join(self.path, SAMPLES_FILE)
         self.records = truncate_jsonl(metrics, step)
@@ -134,6 +142,8 @@ class RunDir:
 
     def write(self, record: dict[str, Any], sample: dict[str, Any] | None = None) -> None:
         """One step's metrics (and a sample completion), flushed at once."""
+        if not self.writes:
+            return
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
         if sample is not None:

@@ -22,12 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_kernels.models.decoder import Decoder
 from grpo_kernels.models.loading import load_policy as _load_policy
 from grpo_kernels.models.sampling import generate
 from grpo_kernels.ops.core.inputs import wants_sampler_logps
 from grpo_kernels.rl import data as data_lib
+from grpo_kernels.rl import processes
 from grpo_kernels.rl import rewards as rewards_lib
 from grpo_kernels.rl.checkpoint import Checkpoints
 from grpo_kernels.rl.config import TrainConfig
@@ -57,9 +59,11 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
                                    weight_decay=o.weight_decay))
 
 
-def step_seed(seed: int, step: int) -> int:
-    """The sampling seed of step ``step``: a function of ``(seed, step)`` only."""
-    return int(np.random.default_rng([seed, step]).integers(2 ** 31 - 1))
+def step_seed(seed: int, step: int, process: int = 0) -> int:
+    """The sampling seed of step ``step``: a function of ``(seed, step)`` only; process
+    ``p > 0`` of a multi-process run samples its share with its own stream."""
+    key = [seed, step] if process == 0 else [seed, step, process]
+    return int(np.random.default_rng(key).integers(2 ** 31 - 1))
 
 
 # --- the trainer ----------------------------------------------------------------------------
@@ -88,19 +92,27 @@ class Trainer:
         self.graphdef, self.state = nnx.split(self.model)
         self.mesh, self.sharding = self._mesh()
         if self.mesh is not None:  # weights replicated; rows split over the batch axes
-            from jax.sharding import NamedSharding, PartitionSpec
-
             self.state = jax.device_put(self.state, NamedSharding(self.mesh, PartitionSpec()))
         self.ref_state = self.state if self.loss_config.beta > 0 else None
         self.tx = make_optimizer(c)
         self.opt_state = self.tx.init(self.state)
+        if self.mesh is not None:  # optax's step counts too: global arrays, as Orbax saves them
+            self.opt_state = jax.device_put(self.opt_state, NamedSharding(self.mesh,
+                                                                          PartitionSpec()))
         self._programs: dict[Any, Any] = {}
-        self._apply = jax.jit(self._apply_updates)
+        # On a mesh the weights and moments stay replicated: the compiled update programs take
+        # them so, and a vocabulary-split dW would otherwise leave the tied embedding split.
+        self._apply = jax.jit(self._apply_updates, out_shardings=None if self.mesh is None
+                              else NamedSharding(self.mesh, PartitionSpec()))
         self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
         self.update_temp_bytes = 0
 
     def _mesh(self) -> tuple[Any, Any]:
         m = self.config.mesh
+        if jax.process_count() > 1 and (m.shape is None
+                                        or np.prod(list(m.shape.values())) != jax.device_count()):
+            raise ValueError(f"mesh.shape: a run over {jax.process_count()} processes needs a "
+                             f"mesh over all {jax.device_count()} devices, got {m.shape}")
         if m.shape is None:
             return None, None
         from grpo_kernels.sharding import ShardingSpec, mesh_from_shape
@@ -141,8 +153,6 @@ class Trainer:
     def _put(self, mb: dict[str, Any]) -> dict[str, Any]:
         if self.mesh is None:
             return {k: None if v is None else jnp.asarray(v) for k, v in mb.items()}
-        from jax.sharding import NamedSharding, PartitionSpec
-
         rows = NamedSharding(self.mesh, PartitionSpec(tuple(self.config.mesh.batch_axes)))
         return {k: None if v is None else jax.device_put(v, rows) for k, v in mb.items()}
 
@@ -197,18 +207,25 @@ class Trainer:
         indices = data_lib.step_indices(step, c.rollout.batch_size // g, len(self.problems),
                                         c.seed)
         problems = [self.problems[i] for i in indices]
+        if jax.process_count() > 1:  # this process's share; gather_rows joins them below
+            problems = problems[processes.my_slice(
+                len(problems), "rollout.batch_size / rollout.num_generations")]
         prompts = [data_lib.prompt_ids(self.tokenizer, c.data.system_prompt, p.question)
                    for p in problems]
-        nnx.update(self.model, self.state)
+        nnx.update(self.model, processes.local_copy(self.state))
         gen = generate(self.model, prompts, num_generations=g,
                        max_new_tokens=c.rollout.max_new_tokens,
                        temperature=c.rollout.temperature, top_k=c.rollout.top_k,
                        top_p=c.rollout.top_p, eos_ids=self.tokenizer.eos_ids,
-                       pad_id=self.tokenizer.pad_id, seed=step_seed(c.seed, step))
+                       pad_id=self.tokenizer.pad_id,
+                       seed=step_seed(c.seed, step, jax.process_index()))
         texts = [self.tokenizer.decode(ids[m == 1]) for ids, m in zip(gen.ids, gen.mask)]
         rows = [p for p in problems for _ in range(g)]
         functions = [(f.name, f.weight) for f in c.rewards.functions]
         reward, parts = rewards_lib.score(texts, rows, functions)
+        sample = {"question": problems[0].question, "answer": problems[0].answer,
+                  "completion": texts[0], "reward": float(reward[0])}
+        gen, reward, parts = self._gather(gen, reward, parts)
         advantages = rewards_lib.group_advantages(reward, g, c.rewards.scale_rewards)
         batch = Batch(ids=np.concatenate([gen.prompt_ids, gen.ids], axis=1),
                       attention=np.concatenate([gen.prompt_mask, gen.mask], axis=1),
@@ -224,9 +241,19 @@ class Trainer:
                    "completion/length_max": int(lengths.max()),
                    "completion/truncated_ratio": float(1 - ended.mean()),
                    "tokens": int(gen.prompt_mask.sum() + gen.mask.sum())}
-        sample = {"question": problems[0].question, "answer": problems[0].answer,
-                  "completion": texts[0], "reward": float(reward[0])}
         return batch, metrics, sample
+
+    def _gather(self, gen: Any, reward: np.ndarray,
+                parts: dict[str, np.ndarray]) -> tuple[Any, np.ndarray, dict[str, np.ndarray]]:
+        """Every process's rollout rows, in process order (unchanged in a one-process run)."""
+        if jax.process_count() == 1:
+            return gen, reward, parts
+        rows = processes.gather_rows(
+            {**dataclasses.asdict(gen), "reward": reward,
+             **{f"part/{k}": v for k, v in parts.items()}},
+            left_pad={"prompt_ids": self.tokenizer.pad_id, "prompt_mask": 0})
+        gen = type(gen)(**{f.name: rows[f.name] for f in dataclasses.fields(gen)})
+        return gen, rows["reward"], {k: rows[f"part/{k}"] for k in parts}
 
     def train_step(self, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
         t0 = time.perf_counter()
@@ -271,8 +298,10 @@ class Trainer:
         from tqdm.auto import tqdm
 
         c = self.config
+        primary = processes.is_primary()  # the others train and checkpoint, and write nothing
         run = RunDir(c.train.run_dir, c.to_dict(), wandb_mode=c.logging.wandb_mode,
-                     wandb_project=c.logging.wandb_project, run_name=c.logging.run_name)
+                     wandb_project=c.logging.wandb_project, run_name=c.logging.run_name,
+                     writes=primary)
         run.prepare()
         ckpt = self.checkpoints()
         records: list[dict[str, Any]] = []
@@ -282,7 +311,7 @@ class Trainer:
             run.open(start)
             step_times = [r.get("time/train/step_s", 0.0) for r in run.records][-10:]
             bar = tqdm(total=c.train.steps, initial=start, desc=f"train {c.loss.arm}",
-                       disable=not self.progress, dynamic_ncols=True)
+                       disable=not (self.progress and primary), dynamic_ncols=True)
             for step in range(start, c.train.steps):
                 if stop_after is not None and step >= stop_after:
                     break
