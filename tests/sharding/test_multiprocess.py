@@ -42,24 +42,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_workers(out: Path, *extra: str, limit_s: float = LIMIT_S,
-                 worker: str = "multiprocess_worker.py"):
-    """Both processes of ``worker`` to the end; ``[(returncode, stdout, stderr), ...]``,
-    wall s."""
+def _launch(argv, limit_s: float = LIMIT_S):
+    """Two processes of ``argv(process_id, port)`` (4 CPU devices each) to the end;
+    ``[(returncode, stdout, stderr), ...]``, wall s."""
     port = _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
                XLA_FLAGS="--xla_force_host_platform_device_count=4")
     start = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/sharding" / worker),
-                               str(port), "2", str(i), str(out), *extra], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
+    procs = [subprocess.Popen(argv(i, port), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:
         logs = [p.communicate(timeout=limit_s) for p in procs]
     finally:
         for p in procs:
             p.kill()
     return [(p.returncode, *log) for p, log in zip(procs, logs)], time.perf_counter() - start
+
+
+def _run_workers(out: Path, *extra: str, limit_s: float = LIMIT_S,
+                 worker: str = "multiprocess_worker.py"):
+    """Both processes of ``worker`` (``PORT 2 ID OUT *extra``), as :func:`_launch`."""
+    return _launch(lambda i, port: [sys.executable, str(ROOT / "tests/sharding" / worker),
+                                    str(port), "2", str(i), str(out), *extra], limit_s)
 
 
 @pytest.fixture(scope="module")
@@ -143,23 +147,13 @@ def test_trainer_update_across_processes_equals_one_process(tmp_path, head):
 
 def _train(config: Path, *extra: str, limit_s: float = LIMIT_S):
     """``grpo-kernels train`` as two processes, one command each (``--coordinator ...``)."""
-    port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    procs = [subprocess.Popen([sys.executable, "-m", "grpo_kernels.cli.main", "train",
-                               "--config", str(config), "--no-progress", *extra,
-                               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                               "--process-id", str(i)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    try:
-        logs = [p.communicate(timeout=limit_s) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for i, (p, (out, err)) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"process {i} failed:\n{out}\n{err[-3000:]}"
-    return [out for out, _ in logs]
+    runs, _ = _launch(lambda i, port: [
+        sys.executable, "-m", "grpo_kernels.cli.main", "train", "--config", str(config),
+        "--no-progress", *extra, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+        "--process-id", str(i)], limit_s)
+    for i, (rc, out, err) in enumerate(runs):
+        assert rc == 0, f"process {i} failed:\n{out}\n{err[-3000:]}"
+    return [out for _, out, _ in runs]
 
 
 @pytest.mark.slow
