@@ -23,7 +23,8 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes, process_id,
                            initialization_timeout=60, heartbeat_timeout_seconds=10)
 
 from grpo_kernels.rl.config import TrainConfig  # noqa: E402
-from grpo_kernels.rl.trainer import Trainer, to_host  # noqa: E402
+from grpo_kernels.rl.processes import to_host  # noqa: E402
+from grpo_kernels.rl.trainer import Trainer  # noqa: E402
 from tests.sharding.multiprocess_cases import trainer_batch, trainer_values  # noqa: E402
 
 values = trainer_values(f"{out}.run{process_id}", head)

@@ -57,12 +57,14 @@ def run_train(args: argparse.Namespace) -> int:
 
     config = load_config(args, **{"train.run_dir": args.run_dir, "train.steps": args.steps,
                                   "loss.head": args.head, "loss.impl": args.impl})
-    if processes.join(args.coordinator, args.num_processes, args.process_id):
-        records = processes.or_die(lambda: Trainer(config, progress=not args.no_progress).run())
-        if not processes.is_primary():
-            return 0
-    else:
-        records = Trainer(config, progress=not args.no_progress).run()
+    joined = processes.join(args.coordinator, args.num_processes, args.process_id)
+
+    def train():
+        return Trainer(config, progress=not args.no_progress).run()
+
+    records = processes.or_die(train) if joined else train()
+    if not processes.is_primary():  # process 0 reports for all
+        return 0
     last = records[-1] if records else None
     if last:
         print(f"step {last['step']}: reward {last['reward/mean']:.3f}, loss {last['loss']:.4g}, "

@@ -56,7 +56,7 @@ def join(coordinator: str | None = None, num_processes: int | None = None,
         raise ValueError(f"--num-processes must be >= 1, got {count}")
     if not 0 <= pid < count:
         raise ValueError(f"--process-id must be in [0, {count}), got {pid}")
-    if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
+    if jax.config.jax_platforms in (None, "", "cpu"):  # JAX_PLATFORMS, or the default
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(values["coordinator"], count, pid,
                                heartbeat_timeout_seconds=heartbeat_s)
@@ -101,10 +101,10 @@ def gather_rows(parts: dict[str, np.ndarray], left_pad: dict[str, Any]) -> dict[
     ``left_pad`` names the arrays whose second axis may differ between processes (left-padded
     prompts) and the value to pad them with on the left to the widest.
     """
-    from jax.experimental import multihost_utils
-
     if jax.process_count() == 1:
         return parts
+    from jax.experimental import multihost_utils
+
     widths = {k: np.array([parts[k].shape[1]]) for k in left_pad}
     widest = {k: int(np.max(multihost_utils.process_allgather(w))) for k, w in widths.items()}
     padded = {}
@@ -116,6 +116,16 @@ def gather_rows(parts: dict[str, np.ndarray], left_pad: dict[str, Any]) -> dict[
         padded[k] = x
     out = multihost_utils.process_allgather(padded, tiled=True)
     return {k: np.asarray(v) for k, v in out.items()}
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """The whole value of ``x`` on this host: a mesh that spans processes leaves each process
+    only its own shards, so the rest comes over the processes' collectives."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def local_copy(tree: Any) -> Any:

@@ -68,16 +68,6 @@ def step_seed(seed: int, step: int, process: int = 0) -> int:
 
 # --- the trainer ----------------------------------------------------------------------------
 
-def to_host(x: jax.Array) -> np.ndarray:
-    """The whole value of ``x`` on this host: a mesh that spans processes leaves each process
-    only its own shards, so the rest comes over the processes' collectives."""
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
 class Trainer:
     """A GRPO run of ``config``; :meth:`run` trains (resuming from ``train.run_dir``)."""
 
@@ -163,7 +153,7 @@ class Trainer:
         for start in range(0, batch.rows, size):
             mb = self._put(batch.micro(start, size))
             fn = self._compiled("logp", batch.prompt_width, (state, mb))
-            out.append(to_host(fn(state, mb)))
+            out.append(processes.to_host(fn(state, mb)))
         return np.concatenate(out) * batch.mask
 
     def update(self, batch: Batch) -> dict[str, float]:
@@ -207,9 +197,9 @@ class Trainer:
         indices = data_lib.step_indices(step, c.rollout.batch_size // g, len(self.problems),
                                         c.seed)
         problems = [self.problems[i] for i in indices]
-        if jax.process_count() > 1:  # this process's share; gather_rows joins them below
-            problems = problems[processes.my_slice(
-                len(problems), "rollout.batch_size / rollout.num_generations")]
+        # this process's share (all of them in a one-process run); _gather joins the shares
+        problems = problems[processes.my_slice(
+            len(problems), "rollout.batch_size / rollout.num_generations")]
         prompts = [data_lib.prompt_ids(self.tokenizer, c.data.system_prompt, p.question)
                    for p in problems]
         nnx.update(self.model, processes.local_copy(self.state))
@@ -246,13 +236,12 @@ class Trainer:
     def _gather(self, gen: Any, reward: np.ndarray,
                 parts: dict[str, np.ndarray]) -> tuple[Any, np.ndarray, dict[str, np.ndarray]]:
         """Every process's rollout rows, in process order (unchanged in a one-process run)."""
-        if jax.process_count() == 1:
-            return gen, reward, parts
+        names = [f.name for f in dataclasses.fields(gen)]
         rows = processes.gather_rows(
-            {**dataclasses.asdict(gen), "reward": reward,
+            {**{k: getattr(gen, k) for k in names}, "reward": reward,
              **{f"part/{k}": v for k, v in parts.items()}},
             left_pad={"prompt_ids": self.tokenizer.pad_id, "prompt_mask": 0})
-        gen = type(gen)(**{f.name: rows[f.name] for f in dataclasses.fields(gen)})
+        gen = type(gen)(**{k: rows[k] for k in names})
         return gen, rows["reward"], {k: rows[f"part/{k}"] for k in parts}
 
     def train_step(self, step: int) -> tuple[dict[str, Any], dict[str, Any]]:

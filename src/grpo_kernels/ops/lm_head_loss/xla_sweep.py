@@ -337,31 +337,28 @@ def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array
             upd = matmul(delta, h, ((0,), (0,)))  # [cols, H]
         return upd.astype(dtype), None if head.bias is None else jnp.sum(delta.astype(_F32), 0)
 
-    def columns(offset, width, dw, db, as_bits):
-        """Blocks of ``cols`` columns over ``offset .. offset + width``, into ``dw`` (a slab
-        starting at ``offset`` when ``as_bits``, else the whole ``dW``) and ``db``."""
+    like = (h, ids, head.w, lse, row.g)
+
+    def columns(offset, width, dw, db):
+        """Blocks of ``cols`` columns over ``offset .. offset + width`` into ``dw`` (whose
+        column 0 is column ``offset`` of ``dW``: a slab, or the whole at offset 0) and ``db``;
+        16-bit blocks through an integer view (``dw`` is one)."""
         def body(col, size, carry):
             dw, db, w = carry
             # The barrier ties W to the loop's state: without it XLA hoists W's integer view
             # (a whole copy) out of the loop; with it each block's slice reads W in place.
             w_now, dw = jax.lax.optimization_barrier((w, dw))
             upd, dbb = block(offset + col, size, w_now)
-            at = col if as_bits else offset + col
-            dw = jax.lax.dynamic_update_slice_in_dim(dw, _as_bits(upd) if as_bits else upd, at,
-                                                     axis)
+            dw = jax.lax.dynamic_update_slice_in_dim(dw, _as_bits(upd), col, axis)
             if db is not None:
                 db = jax.lax.dynamic_update_slice_in_dim(db, dbb, offset + col, 0)
             return dw, db, w
 
-        dw, db, _ = sweep(width, min(cols, width), body, (dw, db, head.w),
-                          like=(h, ids, head.w, lse, row.g))
+        dw, db, _ = sweep(width, min(cols, width), body, (dw, db, head.w), like=like)
         return dw, db
 
-    like = (h, ids, head.w, lse, row.g)
     dw = vary_like(jnp.zeros(head.w.shape, dtype), *like)
     db = None if head.bias is None else vary_like(jnp.zeros((vocab,), _F32), *like)
     if dtype.itemsize != 2:
-        return columns(0, vocab, dw, db, as_bits=False)
-    return in_slabs(vocab, min(cols, vocab), dw, axis,
-                    lambda start, width, bits, db: columns(start, width, bits, db, True),
-                    db, like)
+        return columns(0, vocab, dw, db)
+    return in_slabs(vocab, min(cols, vocab), dw, axis, columns, db, like)

@@ -105,7 +105,6 @@ class PallasOptions:
     def resolved_interpret(self, backend: str | None = None) -> bool | str:
         return resolved_interpret(self.interpret, backend_kind(backend))
 
-
     def resolved_one_pass(self, config: GRPOLossConfig, backend: str | None = None) -> bool:
         """Whether the one-pass TPU kernel computes ``config``'s loss (see ``one_pass``)."""
         fits = self.resolved_kernel(backend) == "tpu" and token_separable(config)
