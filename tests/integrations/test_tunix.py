@@ -123,8 +123,8 @@ def test_hidden_states_times_head_are_the_model_logits(family, tied):
     example = train_example(model, seed=5)
     inputs = ours.model_inputs(model, example, PAD, EOS)
     logits, _ = model(**inputs, cache=None)
-    hidden = ours.hidden_states(model, inputs)
-    head = ours.lm_head(model, hidden)
+    hidden, table = ours.hidden_states(model, inputs)
+    head = ours.lm_head(model, hidden, table)
     spec = "bld,dv->blv" if head.layout == "hv" else "bld,vd->blv"
     mine = jnp.einsum(spec, hidden.astype(head.dtype), head.weights)
     np.testing.assert_allclose(np.asarray(mine, np.float64), np.asarray(logits, np.float64),
@@ -169,6 +169,36 @@ def test_fused_update_holds_no_logits_sized_temporaries():
     tunix_bytes, fused_bytes = temp_bytes(algo_core.grpo_loss_fn), temp_bytes(fused)
     assert tunix_bytes > 2 * logits_f32
     assert fused_bytes < 0.5 * logits_f32, (fused_bytes, tunix_bytes)
+
+
+def test_tied_bf16_update_plans_no_float32_copy_of_the_embedding(monkeypatch):
+    """A tied bfloat16 Qwen3, one jitted update: the fused loss's lookup (tied_lookup) adds its
+    gradient into the head's; the plain ``table[ids]`` lookup in its place plans a float32
+    scatter-add the size of the table (two more table-sized bf16 copies) on XLA:CPU."""
+    from flax import nnx
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the float32 widening of a bfloat16 scatter-add is XLA:CPU's")
+    vocab, hidden = 16_384, 32
+    model = tiny_model("qwen3", seed=8, tied=True, dtype=jnp.bfloat16)
+    model.embedder.input_embedding.value = jax.random.normal(
+        jax.random.key(0), (vocab, hidden), jnp.bfloat16)
+    example = train_example(model, seed=9, batch=4, prompt=8, completion=64)
+    cfg = algo_config("token-mean", "low_var_kl", "grpo", None)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def temp_bytes():
+        def f(p):
+            return ours.fused_policy_loss(nnx.merge(graphdef, p, rest), example, cfg, PAD,
+                                          EOS)[0]
+        return jax.jit(jax.value_and_grad(f)).lower(params).compile().memory_analysis() \
+            .temp_size_in_bytes
+
+    table = 2 * vocab * hidden
+    fused = temp_bytes()
+    monkeypatch.setattr(ours, "tied_lookup", lambda t, ids: (t[ids], t))
+    plain = temp_bytes()
+    assert plain - fused >= 1.5 * table, (fused, plain, table)
 
 
 def test_fused_default_forms_dweight_by_vocabulary_blocks():

@@ -9,7 +9,9 @@ Importing this module registers two policy losses in tunix's registry
 - ``"grpo_kernels_fused"``: the model's final hidden states and head weights through
   :func:`grpo_kernels.grpo_loss_from_hidden`, so the actor update holds no ``[B, T, V]`` array.
   Hidden states come from tunix's own Qwen2, Qwen3 and Llama3 modules (embedder, decoder layers,
-  final norm: :func:`hidden_states`).
+  final norm: :func:`hidden_states`); the embedder's lookup is
+  :func:`~grpo_kernels.ops.lm_head_loss.lookup.tied_lookup`, the same rows, whose table
+  gradient is added into a tied head's without a float32 copy of the table.
 
 Both compute tunix's ``grpo_loss_fn`` (tunix/rl/algo_core.py) on the same inputs: the mapping
 of its ``GRPOConfig`` is :func:`loss_config`, the aux dict it logs is :func:`tunix_aux`, and
@@ -30,6 +32,7 @@ from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import log_importance_ratio, token_terms, token_weights
 from grpo_kernels.ops.lm_head_loss.api import default_impl as default_head_impl
 from grpo_kernels.ops.lm_head_loss.api import grpo_loss_from_hidden
+from grpo_kernels.ops.lm_head_loss.lookup import tied_lookup
 from grpo_kernels.ops.lm_head_loss.xla import LmHeadBlockSizes
 from grpo_kernels.ops.logits_loss.api import grpo_loss
 
@@ -183,13 +186,29 @@ def model_family(model: Any) -> str:
                      f"got {type(model).__name__} (use policy_loss_fn='grpo_kernels' for it)")
 
 
-def hidden_states(model: Any, inputs: dict[str, Any]) -> Array:
-    """``[B, L, D]`` after the final norm: the model's ``__call__`` up to its head, with the
-    same modules and arguments (tunix 0.1.7's Qwen2, Qwen3 and Llama3)."""
+def embed(model: Any, tokens: Array) -> tuple[Array, Array]:
+    """``model.embedder.encode(tokens)`` (tunix 0.1.7: the rows, cast to the embedder's dtype
+    except in Llama3, constrained to its ``act_btd`` sharding) by :func:`tied_lookup`, and the
+    embedding table it passes through: a tied head that uses that table gets the lookup's
+    gradient added into its own in place (no float32 copy of the table on XLA:CPU)."""
+    import importlib
+
+    embedder = model.embedder
+    x, table = tied_lookup(embedder.input_embedding.value, tokens)
+    if model_family(model) != "llama3":
+        x = jnp.astype(x, embedder.dtype)
+    return importlib.import_module(type(embedder).__module__).shard(
+        x, embedder.shd_config.act_btd), table
+
+
+def hidden_states(model: Any, inputs: dict[str, Any]) -> tuple[Array, Array]:
+    """``([B, L, D]`` after the final norm, the embedding table for :func:`lm_head`): the
+    model's ``__call__`` up to its head, with the same modules and arguments (tunix 0.1.7's
+    Qwen2, Qwen3 and Llama3; the lookup by :func:`embed`)."""
     family = model_family(model)
     tokens, positions = inputs["input_tokens"], inputs["positions"]
     attn, seg = inputs["attention_mask"], inputs.get("segment_ids")
-    x = model.embedder.encode(tokens)
+    x, table = embed(model, tokens)
     if family == "qwen2":
         from tunix.models.qwen2 import model as qwen2
 
@@ -204,17 +223,18 @@ def hidden_states(model: Any, inputs: dict[str, Any]) -> Array:
     else:
         for layer in model.layers:
             _, x = layer(x, positions, None, attn)
-    return model.final_norm(x)
+    return model.final_norm(x), table
 
 
-def lm_head(model: Any, hidden: Array) -> Head:
-    """The head weights in the dtype the model multiplies them in, and the logits' dtype.
+def lm_head(model: Any, hidden: Array, table: Array) -> Head:
+    """The head weights in the dtype the model multiplies them in, and the logits' dtype:
+    ``table`` (the embedding from :func:`hidden_states`) when the head is tied.
 
     Qwen2/Qwen3 cast both operands to ``config.dtype``; Llama3 multiplies as stored.
     """
     family = model_family(model)
     tied = model.config.weight_tying if family == "llama3" else model.config.use_tied_embedding
-    w = model.embedder.input_embedding.value if tied else model.lm_head.w.value
+    w = table if tied else model.lm_head.w.value
     layout = "vh" if tied else "hv"
     dtype = jnp.result_type(hidden.dtype, w.dtype) if family == "llama3" else model.config.dtype
     return Head(w.astype(dtype), layout, jnp.dtype(dtype))
@@ -307,8 +327,9 @@ def fused_policy_loss(model: Any, train_example: Any, algo_config: Any, pad_id: 
     config = loss_config(algo_config, ex.ref_logps is not None)
     inputs = model_inputs(model, train_example, pad_id, eos_id)
     t = ex.ids.shape[1]
-    hidden = hidden_states(model, inputs)[:, -t - 1:-1, :]
-    head = lm_head(model, hidden)
+    hidden, table = hidden_states(model, inputs)
+    hidden = hidden[:, -t - 1:-1, :]
+    head = lm_head(model, hidden, table)
     loss, metrics = grpo_loss_from_hidden(
         hidden.astype(head.dtype), head.weights, ex.ids, ex.mask, ex.advantages, config=config,
         impl=impl, options=fused_options(impl, options), lm_head_layout=head.layout,

@@ -276,11 +276,12 @@ DWEIGHT_SLABS = 8
 
 def in_slabs(n: int, block: int, out: Array, axis: int,
              fill: Callable[[Any, int, Array, Any], tuple[Array, Any]], carry: Any,
-             like: tuple[Any, ...] = ()) -> tuple[Array, Any]:
+             like: tuple[Any, ...] = (), keep: bool = False) -> tuple[Array, Any]:
     """``out`` (16-bit) written along ``axis`` over ``[0, n)``, in slabs of whole ``block``s.
 
-    ``fill(start, width, bits, carry) -> (bits, carry)`` fills ``bits``, a zero ``uint16``
-    slab of ``width`` along ``axis`` that starts at ``start`` of ``out``, by blocks (in place:
+    ``fill(start, width, bits, carry) -> (bits, carry)`` fills ``bits``, a ``uint16`` slab of
+    ``width`` along ``axis`` that starts at ``start`` of ``out`` (zeros, or with ``keep`` the
+    bit patterns ``out`` holds there), by blocks (in place:
     XLA:CPU widens a bfloat16 update-slice to float32 and rewrites the whole array, an integer
     one it does not). Each finished slab goes into ``out`` by one update. A whole-``out``
     integer view would instead be turned back into floats by a copy of ``out`` (XLA:CPU
@@ -292,7 +293,9 @@ def in_slabs(n: int, block: int, out: Array, axis: int,
     def put(start, width, c):
         out, carry = c
         shape = out.shape[:axis] + (width,) + out.shape[axis + 1:]
-        bits, carry = fill(start, width, vary_like(jnp.zeros(shape, jnp.uint16), *like), carry)
+        bits = (jax.lax.dynamic_slice_in_dim(_as_bits(out), start, width, axis) if keep
+                else vary_like(jnp.zeros(shape, jnp.uint16), *like))
+        bits, carry = fill(start, width, bits, carry)
         return jax.lax.dynamic_update_slice_in_dim(out, _from_bits(bits, out.dtype), start,
                                                    axis), carry
 
