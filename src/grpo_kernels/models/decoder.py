@@ -242,7 +242,8 @@ class Decoder(nnx.Module):
         return (self.embed if self.config.tie_word_embeddings else self.lm_head)[...]
 
     def __call__(self, ids: Array, attention_mask: Array | None = None,
-                 positions: Array | None = None, *, return_hidden: bool = False) -> Array:
+                 positions: Array | None = None, *, return_hidden: bool = False,
+                 embeddings: Array | None = None) -> Array:
         """Logits ``[B, T, V]`` (float32), or the final hidden states ``[B, T, H]``.
 
         Args:
@@ -252,6 +253,8 @@ class Decoder(nnx.Module):
           return_hidden: Return the hidden states after the final norm, before the head (in the
             compute dtype), for :func:`grpo_kernels.grpo_loss_from_hidden` with
             ``lm_head=model.head()``, ``lm_head_layout="vh"``.
+          embeddings: ``[B, T, H]`` rows to use in place of the lookup ``embed[ids]`` (a
+            caller's own lookup of ``embed``, e.g. one whose gradient is formed differently).
         """
         c = self.config
         b, t = ids.shape
@@ -262,7 +265,8 @@ class Decoder(nnx.Module):
         causal = jnp.tril(jnp.ones((t, t), bool))
         mask = causal[None] & (attention_mask[:, None, :] != 0)
         inv_freq = rope_frequencies(c)
-        x = jnp.take(self.embed[...], ids, axis=0).astype(c.compute_dtype)
+        x = jnp.take(self.embed[...], ids, axis=0) if embeddings is None else embeddings
+        x = x.astype(c.compute_dtype)
         for layer in self.layers:
             if self.remat:
                 x = nnx.remat(lambda lyr, y: lyr(y, positions, mask, inv_freq))(layer, x)

@@ -34,6 +34,7 @@ from flax import nnx
 
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.ops.lm_head_loss import grpo_loss_from_hidden
+from grpo_kernels.ops.lm_head_loss.lookup import tied_lookup
 from grpo_kernels.ops.logits_loss import grpo_loss
 
 Array = jax.Array
@@ -90,17 +91,31 @@ def micro_scale(config: GRPOLossConfig, rows: int, tokens: int, total_rows: int,
     return 1.0  # dapo, cispo, vespo: normalised by num_items_in_batch, the batch's token count
 
 
-def completion_hidden(model: Any, ids: Array, attention: Array, prompt_width: int) -> Array:
-    """Hidden states ``[N, C, H]`` that predict the completion tokens ``ids[:, P:]``."""
-    hidden = model(ids[:, :-1], attention_mask=attention[:, :-1], return_hidden=True)
+def completion_hidden(model: Any, ids: Array, attention: Array, prompt_width: int,
+                      embeddings: Array | None = None) -> Array:
+    """Hidden states ``[N, C, H]`` that predict the completion tokens ``ids[:, P:]``
+    (``embeddings``: the rows of ``ids[:, :-1]``, when the caller looked them up)."""
+    hidden = model(ids[:, :-1], attention_mask=attention[:, :-1], return_hidden=True,
+                   embeddings=embeddings)
     return hidden[:, prompt_width - 1:]
+
+
+def _fused_inputs(model: Any, mb: dict[str, Any], prompt_width: int) -> tuple[Array, Array]:
+    """``(hidden, head weights)`` for the fused loss. A tied head's table goes through
+    :func:`~grpo_kernels.ops.lm_head_loss.lookup.tied_lookup` with the input lookup, so the
+    lookup's gradient is added into the head's in place (a 16-bit table: no float32 copy of
+    it on XLA:CPU)."""
+    rows, table = None, model.head()
+    if model.config.tie_word_embeddings:
+        rows, table = tied_lookup(table, mb["ids"][:, :-1])
+    hidden = completion_hidden(model, mb["ids"], mb["attention"], prompt_width, rows)
+    return hidden, table.astype(model.config.compute_dtype)
 
 
 def loss_on(model: Any, mb: dict[str, Any], *, head: str, impl: str, config: GRPOLossConfig,
             prompt_width: int, num_items: Array | None = None, mesh: Any = None,
             sharding: Any = None) -> tuple[Array, dict[str, Array]]:
     """The GRPO loss of a micro-batch (the micro-batch's own normalisers) and its metrics."""
-    hidden = completion_hidden(model, mb["ids"], mb["attention"], prompt_width)
     targets = mb["ids"][:, prompt_width:]
     extra = dict(config=config, old_logps=mb["old_logps"], ref_logps=mb["ref_logps"],
                  sampler_logps=mb.get("sampler_logps"), num_items_in_batch=num_items)
@@ -112,9 +127,10 @@ def loss_on(model: Any, mb: dict[str, Any], *, head: str, impl: str, config: GRP
     else:
         fused, plain = grpo_loss_from_hidden, grpo_loss
     if head == "fused":
-        weights = model.head().astype(model.config.compute_dtype)
+        hidden, weights = _fused_inputs(model, mb, prompt_width)
         return fused(hidden, weights, targets, mb["mask"], mb["advantages"], impl=impl,
                      lm_head_layout="vh", logits_dtype=jnp.float32, **extra)
+    hidden = completion_hidden(model, mb["ids"], mb["attention"], prompt_width)
     return plain(model.logits(hidden), targets, mb["mask"], mb["advantages"], impl=impl,
                  **extra)
 
