@@ -22,6 +22,7 @@ that need it (``pip install grpo-kernels[tunix]``).
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from typing import Any, NamedTuple
 
@@ -191,8 +192,6 @@ def embed(model: Any, tokens: Array) -> tuple[Array, Array]:
     except in Llama3, constrained to its ``act_btd`` sharding) by :func:`tied_lookup`, and the
     embedding table it passes through: a tied head that uses that table gets the lookup's
     gradient added into its own in place (no float32 copy of the table on XLA:CPU)."""
-    import importlib
-
     embedder = model.embedder
     x, table = tied_lookup(embedder.input_embedding.value, tokens)
     if model_family(model) != "llama3":

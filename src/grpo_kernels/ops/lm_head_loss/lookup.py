@@ -65,13 +65,13 @@ def _tied_bwd(ids: Array, cotangents: tuple[Array, Array]) -> tuple[Array, None]
     g, grad = cotangents
     rows = grad.shape[0]
     ids = _rows_written(ids.reshape(-1), rows)
-    g = g.reshape(ids.shape[0], grad.shape[1]).astype(jnp.float32)
+    g = g.reshape(ids.shape[0], grad.shape[1])
     if grad.dtype.itemsize != 2:
         return grad.at[ids].add(g.astype(grad.dtype), mode="drop"), None
     n = ids.shape[0]
     # Distinct ids (padded with `rows`, dropped below) and each token's place among them.
     unique, where = jnp.unique(ids, size=n, fill_value=rows, return_inverse=True)
-    sums = jax.ops.segment_sum(g, where.reshape(-1), num_segments=n)
+    sums = jax.ops.segment_sum(g.astype(jnp.float32), where.reshape(-1), num_segments=n)
     new = grad[jnp.minimum(unique, rows - 1)].astype(jnp.float32) + sums
     bits = jax.lax.bitcast_convert_type(new.astype(grad.dtype), jnp.uint16)
 
