@@ -16,6 +16,8 @@ from grpo_kernels.objective.gradient import (
     RowGrad,
     entropy_bonus_grad,
     loss_from_token_stats,
+    selected_row_grad,
+    separable_given_selection,
     token_loss_grad,
     token_row_grad,
     token_separable,
@@ -38,6 +40,7 @@ from grpo_kernels.objective.terms import (
 __all__ = [
     "BatchGather", "BatchSum", "RowGrad", "entropy_bonus_grad", "grpo_objective",
     "kl_divergence", "kl_k3", "log_importance_ratio", "loss_from_token_stats", "loss_metrics",
-    "masked_mean", "policy_factors", "policy_term", "token_loss_grad", "token_row_grad",
+    "masked_mean", "policy_factors", "policy_term", "selected_row_grad",
+    "separable_given_selection", "token_loss_grad", "token_row_grad",
     "token_separable", "token_terms", "token_weights", "weighted_loss",
 ]

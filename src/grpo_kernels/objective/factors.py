@@ -72,6 +72,23 @@ def off_policy_mask(logp: Array, behaviour_logp: Array, mask: Array, advantages:
     return ((_f32(advantages) >= 0) | (avg <= threshold)).astype(jnp.float32)
 
 
+def _quantile_position(n: Array, q: float) -> tuple[Array, Array, Array]:
+    """``(pos, lo, last)``: where the ``q`` quantile of ``n`` sorted values falls (``pos``,
+    float32), the index below it and the last index."""
+    last = jnp.maximum(n - 1, 0)
+    pos = q * last.astype(jnp.float32)
+    return pos, jnp.minimum(jnp.floor(pos).astype(jnp.int32), last), last
+
+
+def distinct_selection_count(mask: Array, rho: float) -> Array:
+    """How many of the masked tokens :func:`entropy_mask` selects when their entropies are
+    distinct: those at or above the ``1 - rho`` quantile, ``n - lo`` when it falls on a value,
+    ``n - lo - 1`` between two (float32)."""
+    n = jnp.sum((_f32(mask) > 0).astype(jnp.int32))
+    pos, lo, _ = _quantile_position(n, 1.0 - rho)
+    return (n - lo - (pos > lo.astype(jnp.float32)).astype(jnp.int32)).astype(jnp.float32)
+
+
 def masked_quantile(values: Array, mask: Array, q: float,
                     batch_gather: Callable[[Array], Array]) -> tuple[Array, Array]:
     """``(quantile, count)``: the ``q`` quantile (linear interpolation, as ``torch.quantile``)
@@ -81,9 +98,7 @@ def masked_quantile(values: Array, mask: Array, q: float,
     m = batch_gather(_f32(mask)).reshape(-1) > 0
     n = jnp.sum(m.astype(jnp.int32))
     ordered = jnp.sort(jnp.where(m, v, jnp.inf))
-    last = jnp.maximum(n - 1, 0)
-    pos = q * last.astype(jnp.float32)
-    lo = jnp.minimum(jnp.floor(pos).astype(jnp.int32), last)
+    pos, lo, last = _quantile_position(n, q)
     hi = jnp.minimum(lo + 1, last)
     a, b = ordered[lo], ordered[hi]
     value = a + (pos - lo.astype(jnp.float32)) * (b - a)
@@ -138,9 +153,17 @@ def entropy_weights(mask: Array, config: GRPOLossConfig, num_items: Array | floa
     ``cispo``, ``vespo``; default :math:`\max(N, 1)`), sums over the whole batch."""
     mask = _f32(mask)
     eff = mask if selected is None else mask * selected
+    count = None if selected is None else batch_sum(jnp.sum(eff))
+    return eff / entropy_norm(mask, config, num_items, batch_sum, count)
+
+
+def entropy_norm(mask: Array, config: GRPOLossConfig, num_items: Array | float | None,
+                 batch_sum: Callable[[Array], Array], count: Array | None = None) -> Array:
+    r"""The denominator of :func:`entropy_weights`: ``num_items_in_batch`` (default
+    :math:`\max(\sum m, 1)`) for the loss types TRL normalises that way, else
+    :math:`\max(\text{count}, 1)` with ``count`` the number of tokens of the policy term
+    (default :math:`\sum m`; with the entropy quantile, the selected ones)."""
     if config.loss_type in NUM_ITEMS_LOSS_TYPES:
-        norm = (jnp.maximum(batch_sum(jnp.sum(mask)), 1.0) if num_items is None
+        return (jnp.maximum(batch_sum(jnp.sum(_f32(mask))), 1.0) if num_items is None
                 else _f32(num_items))
-    else:
-        norm = jnp.maximum(batch_sum(jnp.sum(eff)), 1.0)
-    return eff / norm
+    return jnp.maximum(batch_sum(jnp.sum(_f32(mask))) if count is None else count, 1.0)

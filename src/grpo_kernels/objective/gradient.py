@@ -4,6 +4,7 @@ need them: :math:`g = \partial L / \partial \log\pi` and :math:`h = \partial L /
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -122,6 +123,14 @@ def token_separable(config: GRPOLossConfig) -> bool:
             and config.top_entropy_quantile == 1.0)
 
 
+def separable_given_selection(config: GRPOLossConfig) -> bool:
+    """Whether ``config`` has the batch-wide entropy quantile and is token-separable once the
+    selection it makes (and so the entropy bonus's normaliser) is given: then
+    :func:`selected_row_grad` is a token's gradient."""
+    return (config.top_entropy_quantile < 1.0
+            and token_separable(dataclasses.replace(config, top_entropy_quantile=1.0)))
+
+
 def token_loss_grad(
     logp: Array,
     weights: Array,
@@ -170,6 +179,34 @@ def token_row_grad(logp: Array, columns: dict[str, Array | None],
                         c.get("ref_logp"), c.get("sampler_weights"), c.get("mask"),
                         c.get("sampler_logps"))
     return RowGrad(g, c.get("h"))
+
+
+def selected_row_grad(logp: Array, entropy: Array, selected: Array, norm: Array,
+                      columns: dict[str, Array | None], config: GRPOLossConfig) -> RowGrad:
+    r"""The :class:`RowGrad` of tokens of a config that :func:`separable_given_selection`
+    accepts, with the high-entropy selection :math:`e` (``selected``, 0 or 1 per token, the
+    mask already applied) and the entropy bonus's denominator ``norm``
+    (:func:`~grpo_kernels.objective.factors.entropy_norm`) given rather than derived from the
+    batch's quantile:
+
+    .. math::
+
+        g = w\,\partial\ell_e/\partial\log\pi, \qquad
+        h = -\text{entropy\_coef}\cdot m\,e / \text{norm}
+
+    with :math:`\ell_e` the per-token loss whose policy term is multiplied by :math:`e` (as
+    the sampler weights multiply it). With the batch's own selection and denominator this is
+    the gradient of :func:`~grpo_kernels.objective.grpo_objective`; any other pair gives the
+    gradient the fused head's first pass forms before the quantile is known
+    (:mod:`grpo_kernels.ops.lm_head_loss.xla_quantile`)."""
+    c, free = columns, dataclasses.replace(config, top_entropy_quantile=1.0)
+    sw = selected if c.get("sampler_weights") is None else c["sampler_weights"] * selected
+    g = token_loss_grad(logp, c["weights"], c["advantages"], free, c.get("old_logp"),
+                        c.get("ref_logp"), sw, c.get("mask"), c.get("sampler_logps"))
+    if not config.has_entropy_bonus:
+        return RowGrad(g)
+    h = -config.entropy_coef * (_f32(c["mask"]) * selected / norm)
+    return RowGrad(g, h, _f32(entropy))
 
 
 def entropy_bonus_grad(mask: Array, config: GRPOLossConfig,

@@ -26,10 +26,12 @@ primal alone (no gradient) is one matmul per chunk and the statistics.
 Token-level importance sampling makes ``g`` a function of the token's own log-prob, so the
 gradient is formed in the same pass (with an entropy bonus, :math:`\delta` gains the term
 :math:`h\,\partial H/\partial s`, :math:`h` known from the mask). At sequence level (GSPO),
-and with the options that look at other tokens (VESPO, the off-policy mask, a sequence-level
-sampler correction, the batch's entropy quantile; :func:`grpo_kernels.objective.token_separable`),
-``g`` needs more than the token; the op then runs the loop twice: statistics first (one
-matmul), then the gradient pass with ``g`` known (three more).
+and with the options that look at other tokens' log-probs (VESPO, the off-policy mask, a
+sequence-level sampler correction; :func:`grpo_kernels.objective.token_separable`), ``g``
+needs more than the token; the op then runs the loop twice: statistics first (one matmul),
+then the gradient pass with ``g`` known (three more). The batch's entropy quantile makes one
+pass with an estimated selection and corrects the tokens the exact one changes
+(:mod:`.xla_quantile`).
 
 Peak temporary memory is ``O(c V)`` plus the ``[H, V]`` float32 accumulator and ``[N, H]`` for
 ``dhidden``: no ``[N, V]`` array exists. ``c`` comes from a byte budget over ``V``
@@ -47,12 +49,18 @@ from typing import Callable
 import jax
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.objective import RowGrad, token_row_grad, token_separable
+from grpo_kernels.objective import (
+    RowGrad,
+    separable_given_selection,
+    token_row_grad,
+    token_separable,
+)
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import common_dtype
 from grpo_kernels.ops.core.options import check_int
 from grpo_kernels.ops.core.vjp import loss_with_gradient, scale_by_cotangent
 from grpo_kernels.ops.lm_head_loss.head import HeadFormat
+from grpo_kernels.ops.lm_head_loss.xla_quantile import QuantilePass
 from grpo_kernels.ops.lm_head_loss.xla_sweep import (
     GradFn,
     Head,
@@ -135,6 +143,13 @@ def plan_vocab_block(n_rows: int, vocab: int, blocks: LmHeadBlockSizes, backend:
     return min(vocab, max(128, budget // (32 * n_rows) // 128 * 128))
 
 
+def _correction_rows(rows: int) -> int:
+    """Rows per chunk of :mod:`.xla_quantile`'s correction: a quarter of the sweep's (the
+    corrected tokens are a few percent of the batch; a whole chunk for a few of them would
+    cost more than they do)."""
+    return max(8, rows // 4 // 8 * 8)
+
+
 def _rows_and_head(hidden: Array, w: Array, bias: Array | None,
                    fmt: HeadFormat) -> tuple[Array, Head]:
     """``hidden`` as ``[N, H]`` rows and the :class:`Head`, both in the operands' common dtype
@@ -145,12 +160,12 @@ def _rows_and_head(hidden: Array, w: Array, bias: Array | None,
 
 
 def _token_grad_fn(batch: TokenBatch, config: GRPOLossConfig) -> GradFn:
-    """``grad_fn(start, size, logp)`` of :func:`head_sweep` for a token-separable config: each
-    chunk's :class:`RowGrad` from its own log-probs and columns
+    """``grad_fn`` of :func:`head_sweep` for a token-separable config: each chunk's
+    :class:`RowGrad` from its own log-probs and columns
     (:func:`grpo_kernels.objective.token_row_grad`)."""
     columns = batch.token_columns(config)
 
-    def grad_fn(start, size, logp):
+    def grad_fn(start, size, logp, _=None):
         return token_row_grad(logp, {k: _rows(v, start, size) for k, v in columns.items()},
                               config)
 
@@ -159,7 +174,7 @@ def _token_grad_fn(batch: TokenBatch, config: GRPOLossConfig) -> GradFn:
 
 def _given_grad_fn(row: RowGrad) -> GradFn:
     """``grad_fn`` of a pass whose :class:`RowGrad` is already known (``[N]`` arrays)."""
-    return lambda start, size, _: row.map(
+    return lambda start, size, *_: row.map(
         lambda x: jax.lax.dynamic_slice_in_dim(x, start, size))
 
 
@@ -188,10 +203,16 @@ def xla_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: T
     def forward(primals, batch, with_grad):
         h, head = _rows_and_head(*primals, fmt)
         ids = batch.clamped_ids(head.vocab).reshape(-1)
-        grad_fn = _token_grad_fn(batch, config) if with_grad and token_separable(config) \
-            else None
+        grad_fn, then, quantile = None, None, None
+        if with_grad and token_separable(config):
+            grad_fn = _token_grad_fn(batch, config)
+        elif with_grad and separable_given_selection(config):  # one pass and a correction
+            quantile = QuantilePass.estimate(h, ids, head, tau, rows, batch, config)
+            grad_fn = quantile.grad_fn
+            then = quantile.correction(h, ids, head, tau, _correction_rows(rows),
+                                       dweight_rows(*h.shape[1:], head.vocab))
         (logp, lse, ent), grads = head_sweep(h, ids, head, tau, rows, grad_fn,
-                                             dweight=not by_vocab)
+                                             dweight=not by_vocab, then=then)
         loss, metrics, row = batch.loss(logp.reshape(b, t), ent.reshape(b, t), config,
                                         with_grad=with_grad and grads is None)
         if row is not None:  # not token-separable: a second pass with the gradient known
@@ -199,7 +220,7 @@ def xla_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: T
             _, grads = head_sweep(h, ids, head, tau, rows, _given_grad_fn(row),
                                   dweight=not by_vocab)
         elif grads is not None and by_vocab:
-            row = grad_fn(0, b * t, logp)
+            row = grad_fn(0, b * t, logp) if quantile is None else quantile.exact(logp, ent)
             row = row if row.h is None else row._replace(entropy=ent)
         if grads is None or not by_vocab:
             return (loss, metrics), None if grads is None else _cast_grads(primals, *grads)

@@ -130,7 +130,15 @@ def _slice_rows(x: Array, start: Any, size: int, axis: int = 0) -> Array:
     return _from_bits(jax.lax.dynamic_slice_in_dim(_as_bits(x), start, size, axis=axis), x.dtype)
 
 
-GradFn = Callable[[Any, int, Array], RowGrad]
+def take_rows(x: Array, idx: Array) -> Array:
+    """``x[idx]`` along axis 0; 16-bit floats through an integer view."""
+    return _from_bits(jnp.take(_as_bits(x), idx, axis=0), x.dtype)
+
+
+# grad_fn(start, size, logp, entropy) of a chunk of rows -> its RowGrad.
+GradFn = Callable[[Any, int, Array, Array], RowGrad]
+# then(stats, (dh_bits, dW [H, V] float32 or None, db or None)) -> the same gradients.
+ThenFn = Callable[[tuple[Array, Array, Array], tuple], tuple]
 
 # float32 elements of one dW update product [rows, V] on CPU (docs/lm_head.md says why).
 DWEIGHT_ELEMENTS = 1 << 22
@@ -191,6 +199,7 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
                lse: Array | None = None,
                reduce_dh: Callable[[Array], Array] | None = None,
                dweight: bool = True,
+               then: ThenFn | None = None,
                ) -> tuple[tuple[Array, Array, Array], Any]:
     """One pass over chunks of ``rows`` tokens.
 
@@ -202,9 +211,10 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
       head: The LM head.
       temperature: Softmax temperature.
       rows: Rows per chunk.
-      grad_fn: ``None`` for statistics only; else ``grad_fn(start, size, logp_chunk)`` returns
-        the chunk's :class:`~grpo_kernels.objective.RowGrad` and the pass also forms the
-        gradients (an entropy term without ``entropy`` takes this pass's entropies).
+      grad_fn: ``None`` for statistics only; else ``grad_fn(start, size, logp_chunk,
+        entropy_chunk)`` returns the chunk's :class:`~grpo_kernels.objective.RowGrad` and the
+        pass also forms the gradients (an entropy term without ``entropy`` takes this pass's
+        entropies).
       dw_rows: Rows of ``dW`` per update (default :func:`dweight_rows` of this head).
       lse: ``[N]`` logsumexp to use in the gradient instead of the one of these columns (the
         whole-row value when the head is a vocabulary shard); ``None``: this pass's own.
@@ -213,6 +223,9 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
         is ever held (:mod:`grpo_kernels.sharding`).
       dweight: ``False``: a gradient pass forms ``dh`` only (``dW`` and ``db`` come back
         ``None``; :func:`vocab_sweep` forms them without the ``[H, V]`` float32 accumulator).
+      then: Applied after the loop to the statistics and the gradients as the loop holds them
+        (``dh`` as ``uint16`` bits for 16-bit ``h``, ``dW`` as ``[H, V]``), before they are
+        put in their dtypes and layout (:mod:`.xla_quantile`'s correction).
 
     Returns:
       ``((logp, lse, entropy), grads)``: three ``[N]`` float32 vectors, and ``None`` or
@@ -240,7 +253,7 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
         dh_bits, dw, db = grads
         if lse is not None:
             lse_c = jax.lax.dynamic_slice_in_dim(lse, start, size)
-        row = grad_fn(start, size, logp)
+        row = grad_fn(start, size, logp, ent)
         if row.h is not None and row.entropy is None:
             row = row._replace(entropy=ent)
         delta = logits_delta(s, idc, row.over(temperature), lse_c, head)
@@ -265,7 +278,8 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
         dw0 = vary_like(jnp.zeros((hidden, vocab), _F32), *like)
         db0 = None if head.bias is None else vary_like(jnp.zeros((vocab,), _F32), *like)
     dh0 = vary_like(_as_bits(jnp.zeros((n, hidden), h.dtype)), *dh_like)
-    stats, (dh, dw, db) = sweep(n, rows, chunk, (stats0, (dh0, dw0, db0)))
+    stats, grads = sweep(n, rows, chunk, (stats0, (dh0, dw0, db0)))
+    dh, dw, db = grads if then is None else then(stats, grads)
     dh = _from_bits(dh, h.dtype)
     return stats, (dh, dw if dw is None or head.layout == "hv" else dw.T, db)
 
