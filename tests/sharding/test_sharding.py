@@ -307,6 +307,68 @@ def test_lm_head_family_equals_one_device(cfg, impl):
     _check(step(inp.hidden, inp.lm_head), want)
 
 
+# --- sequence-parallel fused head (xla: hidden split over T on the vocab axis) ---------------
+
+SEQ_T = 8  # divisible by every vocab axis of MESHES
+
+
+def _time_axis(x):
+    """The mesh axis that splits axis 1 of ``x`` (``None``: whole)."""
+    return (tuple(x.sharding.spec) + (None, None))[1]
+
+SEQ_RUNS = ([(m, c, "hv", False) for m, c in zip(MESHES[1:], FEW[:3])]
+            + [(MESHES[1], FEW[3], "vh", True)]
+            + [(MESHES[2 + i % 2], c, "hv", i % 2 == 1) for i, c in enumerate(HEAD_FAMILY)])
+
+
+@pytest.mark.parametrize(
+    "m,cfg,layout,bias", SEQ_RUNS,
+    ids=[f"{mesh_id(m)}-{family_id(c)}-{c.loss_type}-{lay}{'-bias' * b}"
+         for m, c, lay, b in SEQ_RUNS])
+def test_lm_head_sequence_parallel_equals_one_device(m, cfg, layout, bias):
+    """T divisible by the vocab axis: the xla head takes hidden split over T there, gathers
+    each chunk's rows and scatters its dhidden back (12-row chunks on the 2 x 4 mesh: two and
+    a ragged tail). dhidden comes back split over T, equal to the one-device reference."""
+    inp = random_head_inputs(13, HB, SEQ_T, HH, HV, jnp.float32, cfg, layout=layout)
+    b = (jax.random.normal(jax.random.PRNGKey(6), (HV,)) * 0.5) if bias else None
+    kw = {**inp.kwargs(), "lm_head_layout": layout}
+    mesh, spec = make(m)
+
+    def one(h, w, bb):
+        return grpo_loss_from_hidden(h, w, inp.ids, inp.mask, inp.advantages, config=cfg,
+                                     impl="reference", bias=bb, **kw)
+
+    def sharded(h, w, bb):
+        return sharded_grpo_loss_from_hidden(
+            h, w, inp.ids, inp.mask, inp.advantages, mesh=mesh, sharding=spec, config=cfg,
+            impl="xla", bias=bb, options=LmHeadBlockSizes(chunk_tokens=12), **kw)
+
+    argnums = (0, 1, 2) if bias else (0, 1)
+    want = jax.value_and_grad(one, argnums=argnums, has_aux=True)(inp.hidden, inp.lm_head, b)
+    got = jax.jit(jax.value_and_grad(sharded, argnums=argnums, has_aux=True))(
+        inp.hidden, inp.lm_head, b)
+    assert _time_axis(got[1][0]) == "tp"  # the sequence-parallel path ran
+    _check(got, want)
+
+
+def test_lm_head_time_not_divisible_keeps_hidden_whole():
+    """T = 5 over a vocab axis of 4: hidden stays whole on the vocab axis, dhidden summed."""
+    got, want = _sharded_head(MESHES[1], FEW[0], "xla")
+    assert _time_axis(got[1][0]) is None
+    _check(got, want)
+
+
+def test_long_sequence_per_device_temporaries():
+    """Issue 21 at its shape (compile-only; H=4096, V=151,936 bf16, vocab split 8 ways):
+    per-device temporaries at T=131,072 within 1% of those at T=8,192, and at most 1.2/8 of
+    one device's at T=131,072 (docs/lm_head.md, "Long sequences")."""
+    from tests.ops.lm_head_loss.test_long_sequence import planned_temp
+    short, long = (planned_temp(t, 4096, 151936, vocab_shards=8) for t in (8192, 131072))
+    one = planned_temp(131072, 4096, 151936)
+    assert long <= 1.01 * short, (short, long)
+    assert long <= 1.2 / 8 * one, (long, one)
+
+
 # --- layouts, collectives, errors ------------------------------------------------------------
 
 def _collective_sizes(compiled):

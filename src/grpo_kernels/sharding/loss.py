@@ -11,7 +11,8 @@ global ``lse``. What differs between the ops is an :class:`OpKind`.
 
 For the fused head, ``dW`` (and ``db``) stay local to their shard (``shard_map`` sums them over
 the batch axes, the usual data-parallel reduction) and ``dhidden`` is summed over the vocab
-axis, since every shard contributes ``delta_k W_k^T``. The XLA head plans its chunk from the
+axis, since every shard contributes ``delta_k W_k^T`` (the XLA head, sequence-parallel when
+``T`` allows, sums it chunk by chunk into each device's own steps). The XLA head plans its chunk from the
 *whole* vocabulary, so a device's ``[c, V/k]`` logits and ``[H, V/k]`` float32 ``dW``
 accumulator shrink by ``k``.
 """
@@ -94,20 +95,21 @@ LOGITS = OpKind(local_vocab=lambda p: p[0].shape[-1], reference_logits=lambda p:
                 pieces=_logits_pieces)
 
 
-def _head_kind(fmt: HeadFormat) -> OpKind:
+def _head_kind(fmt: HeadFormat, seq: tuple[str, int] | None = None) -> OpKind:
     def pieces(primals, impl, options, tau, spec, vocab) -> Pieces:
         hidden, w, _ = primals
         if impl == "xla":
-            return head_xla.pieces(hidden, w, fmt, options, tau, vocab, spec.vocab_sum)
+            return head_xla.pieces(hidden, w, fmt, options, tau, vocab, spec.vocab_sum, seq)
         opts = _on_mesh(options, head_pallas.LmHeadPallasOptions())
         return head_pallas.pieces(hidden, w, fmt, opts, tau)
 
     def vary_primals(primals, impl, spec):
         # dW and db vary over the batch axes and the vocab axis; dhidden over the batch axes,
-        # and over the vocab axis too unless the XLA pass already summed it chunk by chunk.
+        # and over the vocab axis too unless the XLA pass already summed it chunk by chunk
+        # (sequence-parallel, each device has its own steps: it varies).
         tp = (spec.vocab_axis,) if spec.vocab_axis else ()
         hidden, w, bias = primals
-        hidden = vary(hidden, spec.batch_axes + (() if impl == "xla" else tp))
+        hidden = vary(hidden, spec.batch_axes + (() if impl == "xla" and seq is None else tp))
         return (hidden, *(None if x is None else vary(x, spec.batch_axes + tp)
                           for x in (w, bias)))
 
@@ -115,6 +117,19 @@ def _head_kind(fmt: HeadFormat) -> OpKind:
                   reference_logits=lambda p: head_logits(p[0], p[1], fmt.layout, p[2],
                                                          fmt.logits_dtype),
                   pieces=pieces, vary=vary_primals)
+
+
+def _sequence_split(spec: ShardingSpec, mesh: Mesh, time: int, impl: str,
+                    options: Any) -> tuple[str, int] | None:
+    """``(vocab_axis, k)`` when the XLA head runs sequence-parallel over its vocab axis
+    (``hidden`` split over ``T`` there, :func:`grpo_kernels.ops.lm_head_loss.xla.pieces`):
+    with a vocab axis, ``T`` divisible by it and ``dW`` summed by tokens; else ``None``
+    (``hidden`` whole on every device of the vocab axis)."""
+    if impl != "xla" or spec.vocab_axis is None:
+        return None
+    k = mesh.shape[spec.vocab_axis]
+    by_vocab = options is not None and getattr(options, "dweight", "tokens") == "vocab"
+    return None if time % k or by_vocab else (spec.vocab_axis, k)
 
 
 def _shard_loss(primals: Primals, batch: TokenBatch, *, op: OpKind, config: GRPOLossConfig,
@@ -227,11 +242,14 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
     and the head's ``V`` over ``sharding.vocab_axis`` (a tensor-parallel head).
 
     Equal to the one-device loss; no ``[B, T, V]`` array exists on any device and nothing
-    vocabulary-sized is gathered. Layout inside: ``hidden`` ``P(batch_axes, None, None)``;
-    ``lm_head`` ``P(None, vocab_axis)`` for ``"hv"`` or ``P(vocab_axis, None)`` for ``"vh"``;
-    ``bias`` ``P(vocab_axis)``; the rest as :func:`sharded_grpo_loss`. Gradients come back in
-    the inputs' layouts: ``dlm_head`` sharded on ``V`` (summed over the batch axes),
-    ``dhidden`` on ``B`` (summed over the vocab axis).
+    vocabulary-sized is gathered. Layout inside: ``hidden`` ``P(batch_axes, None, None)``, or
+    for the xla head when ``T`` divides by the vocab axis ``P(batch_axes, vocab_axis, None)``
+    (sequence-parallel: each chunk's rows are gathered and its ``dhidden`` scattered back, so
+    no device holds ``[T, H]``; :func:`_sequence_split`); ``lm_head`` ``P(None, vocab_axis)``
+    for ``"hv"`` or ``P(vocab_axis, None)`` for ``"vh"``; ``bias`` ``P(vocab_axis)``; the rest
+    as :func:`sharded_grpo_loss`. Gradients come back in the inputs' layouts: ``dlm_head``
+    sharded on ``V`` (summed over the batch axes), ``dhidden`` on ``B`` (and ``T`` when
+    sequence-parallel; summed over the vocab axis).
 
     Args:
       hidden, lm_head, ids, mask, advantages, config, old_logps, ref_logps,
@@ -256,7 +274,9 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
         check_ids_in_range(ids, mask, vocab)
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
                           sampler_weights, sampler_logps)
-    primal_specs = (spec.rows(3), spec.head(fmt.layout), None if bias is None else spec.vector())
-    return _run(_head_kind(fmt), (hidden, lm_head, bias), primal_specs, batch, mesh=mesh,
+    seq = _sequence_split(spec, mesh, hidden.shape[1], impl, options)
+    primal_specs = (spec.rows(3) if seq is None else spec.steps(),
+                    spec.head(fmt.layout), None if bias is None else spec.vector())
+    return _run(_head_kind(fmt, seq), (hidden, lm_head, bias), primal_specs, batch, mesh=mesh,
                 spec=spec, config=config, impl=impl, options=options, vocab=vocab,
                 default_options=head_pallas.LmHeadPallasOptions())

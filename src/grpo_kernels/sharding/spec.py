@@ -110,6 +110,11 @@ class ShardingSpec:
         """``[B, ...]`` arrays: the leading axis over the batch axes, the rest whole."""
         return PartitionSpec(self._batch(), *([None] * (ndim - 1)))
 
+    def steps(self) -> PartitionSpec:
+        """``[B, T, H]`` hidden states of a sequence-parallel head: ``B`` over the batch axes,
+        ``T`` over the vocab axis."""
+        return PartitionSpec(self._batch(), self.vocab_axis, None)
+
     def logits(self) -> PartitionSpec:
         """``[B, T, V]`` logits: ``B`` over the batch axes, ``V`` over the vocab axis."""
         return PartitionSpec(self._batch(), None, self.vocab_axis)

@@ -47,6 +47,7 @@ import dataclasses
 from typing import Callable
 
 import jax
+import numpy as np
 
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import (
@@ -240,40 +241,78 @@ def xla_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: T
     return loss_with_gradient(forward, backward)((hidden, lm_head, bias), batch)
 
 
+def chunk_order(batch: int, time: int, parts: int, rows: int) -> np.ndarray:
+    """The ``[batch * time]`` row order of a ``seq`` sweep (:func:`~.xla_sweep.head_sweep`): position
+    ``p`` of the sweep holds the row-major ``[batch, time]`` row ``order[p]``.
+
+    Each device holds ``time / parts`` consecutive steps of every sequence (``P(batch, axis)``
+    on ``[B, T, H]``), as ``M = batch * time / parts`` local rows; a chunk of ``rows`` takes
+    the next ``rows / parts`` local rows of device 0, then of device 1, and so on.
+    """
+    local, step = batch * time // parts, rows // parts
+    r = np.arange(local)
+    span = time // parts
+    rows_of = ((r // span)[None, :] * time + np.arange(parts)[:, None] * span
+               + (r % span)[None, :])  # [parts, local]: device d's local row -> global row
+    full = local // step * step
+    body = rows_of[:, :full].reshape(parts, -1, step).transpose(1, 0, 2).reshape(-1)
+    return np.concatenate([body, rows_of[:, full:].reshape(-1)])
+
+
 def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadBlockSizes | None,
-           temperature: float, vocab: int, reduce_dh: Callable[[Array], Array]):
+           temperature: float, vocab: int, reduce_dh: Callable[[Array], Array],
+           seq: tuple[str, int] | None = None):
     """``(stats, grad)`` on this device's rows and head shard (see :mod:`grpo_kernels.sharding`):
 
     ``stats(primals, ids)`` -> the ``[B, T]`` ``(logp, lse, entropy)`` of the shard's columns;
     ``grad(primals, hit_ids, lse, row)`` -> ``(dhidden, dW, db)`` of the shard given the whole
     row's ``lse`` and :class:`RowGrad`, ``dhidden`` summed over shards chunk by chunk by
     ``reduce_dh``.
-    ``vocab`` is the whole head's ``V``: the chunk is planned from it.
+    ``vocab`` is the whole head's ``V``: the chunk is planned from it. With ``seq = (axis, k)``
+    ``hidden`` is this device's ``[B, T / k, H]`` share of the steps (sequence-parallel over the
+    vocab axis; :func:`~.xla_sweep.head_sweep`'s ``seq``), the ``[B, T]`` inputs and outputs
+    are whole, and ``dhidden`` comes back as ``hidden``'s share.
     """
     b, t, hdim = hidden.shape
+    parts = 1 if seq is None else seq[1]
+    t = t * parts
     # Planned as for the whole vocabulary, twice: the statistics and the gradient are separate
     # passes here (the gradient needs the global lse), and XLA keeps both passes' chunk buffers,
-    # so each gets half of the one-pass budget.
+    # so each gets half of the one-pass budget. A sequence-parallel chunk takes as many rows
+    # from every device.
     blocks = options or LmHeadBlockSizes()
     rows = plan_chunk(b * t, 2 * vocab, blocks, jax.default_backend())
+    rows = max(parts, rows // parts * parts)
     cols = plan_vocab_block(b * t, vocab, blocks, jax.default_backend())
     # dW update blocks of as many rows as the whole head's: the float32 product [rows, V_local]
     # shrinks with the shard.
     dw_rows = dweight_rows(hdim, vocab)
     by_vocab = blocks.dweight == "vocab"
+    if seq is not None and by_vocab:
+        raise ValueError("LmHeadBlockSizes(dweight='vocab') needs every row on each device; "
+                         "a sequence-parallel head sums dW by tokens (dweight='tokens')")
+    order = None if seq is None else chunk_order(b, t, parts, rows)
+    inverse = None if order is None else np.argsort(order)
+
+    def to_sweep(x: Array) -> Array:
+        """``[B, T]`` -> the sweep's ``[N]`` row order."""
+        x = x.reshape(-1)
+        return x if order is None else x[order]
+
+    def from_sweep(x: Array) -> Array:
+        return (x if inverse is None else x[inverse]).reshape(b, t)
 
     def stats(primals, ids):
         h, head = _rows_and_head(*primals, fmt)
-        out, _ = head_sweep(h, ids.reshape(-1), head, temperature, rows, None)
-        return tuple(x.reshape(b, t) for x in out)
+        out, _ = head_sweep(h, to_sweep(ids), head, temperature, rows, None, seq=seq)
+        return tuple(from_sweep(x) for x in out)
 
     def grad(primals, hit_ids, lse, row):
         h, head = _rows_and_head(*primals, fmt)
-        ids, lse = hit_ids.reshape(-1), lse.reshape(-1)
-        row = row.map(lambda x: x.reshape(-1))
+        ids, lse, row = to_sweep(hit_ids), to_sweep(lse), row.map(to_sweep)
         _, grads = head_sweep(h, ids, head, temperature, rows, _given_grad_fn(row),
                               dw_rows=dw_rows, lse=lse, reduce_dh=reduce_dh,
-                              dweight=not by_vocab)
+                              dweight=not by_vocab, seq=seq)
         if by_vocab:
             grads = (grads[0], *vocab_sweep(h, ids, head, temperature, lse, row, cols))
         return _cast_grads(primals, *grads)

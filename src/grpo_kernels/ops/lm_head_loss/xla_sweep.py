@@ -200,6 +200,7 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
                reduce_dh: Callable[[Array], Array] | None = None,
                dweight: bool = True,
                then: ThenFn | None = None,
+               seq: tuple[str, int] | None = None,
                ) -> tuple[tuple[Array, Array, Array], Any]:
     """One pass over chunks of ``rows`` tokens.
 
@@ -223,6 +224,14 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
         is ever held (:mod:`grpo_kernels.sharding`).
       dweight: ``False``: a gradient pass forms ``dh`` only (``dW`` and ``db`` come back
         ``None``; :func:`vocab_sweep` forms them without the ``[H, V]`` float32 accumulator).
+      seq: ``(axis, k)``: ``h`` is this device's ``[N / k, H]`` share of the rows, split over
+        the mesh axis ``axis`` of size ``k`` (inside ``shard_map``, the vocab axis of a
+        sequence-parallel head). Each chunk of ``rows`` (a multiple of ``k``) gathers
+        ``rows / k`` rows from every device (``all_gather``), and its ``dh`` goes back summed
+        over the axis, each device keeping its own rows (``psum_scatter``): the chunks visit the
+        rows in the order of :func:`.xla.chunk_order`, which ``ids``, ``lse``, ``grad_fn`` and the
+        returned statistics follow; ``dh`` comes back as ``h``'s ``[N / k, H]``. No
+        ``[N, H]`` array exists on any device. Replaces ``reduce_dh``.
       then: Applied after the loop to the statistics and the gradients as the loop holds them
         (``dh`` as ``uint16`` bits for 16-bit ``h``, ``dW`` as ``[H, V]``), before they are
         put in their dtypes and layout (:mod:`.xla_quantile`'s correction).
@@ -231,14 +240,17 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
       ``((logp, lse, entropy), grads)``: three ``[N]`` float32 vectors, and ``None`` or
       ``(dh [N, H] in h's dtype, dW float32 in W's layout, db [V] float32 or None)``.
     """
-    n, hidden = h.shape
+    parts = 1 if seq is None else seq[1]
+    n, hidden = h.shape[0] * parts, h.shape[1]
     vocab = head.vocab
     dw_rows = dw_rows or dweight_rows(hidden, vocab)
     stats_block = STATS_BLOCK.get(jax.default_backend())
 
     def chunk(start, size, carry):
         stats, grads = carry
-        hc = _slice_rows(h, start, size)
+        hc = _slice_rows(h, start // parts, size // parts)
+        if seq is not None:
+            hc = jax.lax.all_gather(hc, seq[0], axis=0, tiled=True)
         idc = jax.lax.dynamic_slice_in_dim(ids, start, size)
         z = head.logits(hc)
         if z.dtype.itemsize < 4:  # keep the rounded logits narrow; consumers upcast on the fly
@@ -258,8 +270,12 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
             row = row._replace(entropy=ent)
         delta = logits_delta(s, idc, row.over(temperature), lse_c, head)
         dhc = head.dhidden(delta)
-        dhc = _as_bits((dhc if reduce_dh is None else reduce_dh(dhc)).astype(h.dtype))
-        dh_bits = jax.lax.dynamic_update_slice_in_dim(dh_bits, dhc, start, 0)
+        if seq is not None:
+            dhc = jax.lax.psum_scatter(dhc, seq[0], scatter_dimension=0, tiled=True)
+        elif reduce_dh is not None:
+            dhc = reduce_dh(dhc)
+        dh_bits = jax.lax.dynamic_update_slice_in_dim(dh_bits, _as_bits(dhc.astype(h.dtype)),
+                                                      start // parts, 0)
         if dw is not None:
             dw = _accumulate_dweight(dw, jax.lax.optimization_barrier(hc.T), delta, dw_rows)
         if db is not None:
@@ -272,12 +288,12 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
     stats0 = vary_like(tuple(jnp.zeros((n,), _F32) for _ in range(3)), *like)
     if grad_fn is None:
         return sweep(n, rows, chunk, (stats0, None))[0], None
-    dh_like = (h,) if reduce_dh is not None else like
+    dh_like = (h,) if reduce_dh is not None or seq is not None else like
     dw0, db0 = None, None
     if dweight:
         dw0 = vary_like(jnp.zeros((hidden, vocab), _F32), *like)
         db0 = None if head.bias is None else vary_like(jnp.zeros((vocab,), _F32), *like)
-    dh0 = vary_like(_as_bits(jnp.zeros((n, hidden), h.dtype)), *dh_like)
+    dh0 = vary_like(_as_bits(jnp.zeros(h.shape, h.dtype)), *dh_like)
     stats, grads = sweep(n, rows, chunk, (stats0, (dh0, dw0, db0)))
     dh, dw, db = grads if then is None else then(stats, grads)
     dh = _from_bits(dh, h.dtype)
