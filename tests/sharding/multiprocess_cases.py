@@ -9,7 +9,9 @@ from grpo_kernels.ops.lm_head_loss.inputs import random_head_inputs
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
 
 B, T, V = 4, 6, 64            # logits op: 16 columns per device at tp=4
-HT, HH, HV = 5, 32, 256       # LM-head op (B as above)
+# LM-head op (B as above): T = 8 divides by tp=4, so the xla head runs sequence-parallel across
+# the processes (hidden split over T); T = 5 keeps hidden whole. Cases alternate.
+HTS, HH, HV = (8, 5), 32, 256
 
 # Every loss type at token and sequence level (VESPO with the token-level sampler correction it
 # needs, CISPO with a cap that acts), beta on for half of them.
@@ -27,7 +29,7 @@ def logits_inputs(i, cfg):
 
 
 def head_inputs(i, cfg):
-    return random_head_inputs(200 + i, B, HT, HH, HV, jnp.float32, cfg)
+    return random_head_inputs(200 + i, B, HTS[i % 2], HH, HV, jnp.float32, cfg)
 
 
 # The trainer case: one update of the test trainer's small random model on a fixed batch of
