@@ -112,8 +112,13 @@ def entropy_mask(entropy: Array, mask: Array, config: GRPOLossConfig,
     masked entropies of the whole batch (:func:`masked_quantile`); all zero without tokens."""
     threshold, n = masked_quantile(entropy, mask, 1.0 - config.top_entropy_quantile,
                                    batch_gather)
-    keep = (_sg(_f32(entropy)) >= threshold) & (_f32(mask) > 0) & (n > 0)
-    return keep.astype(jnp.float32)
+    return select_at(entropy, mask, threshold) * (n > 0).astype(jnp.float32)
+
+
+def select_at(entropy: Array, mask: Array, threshold: Array) -> Array:
+    r""":math:`m\,[H \ge \text{threshold}]` in {0, 1}, without gradient: the selection rule of
+    :func:`entropy_mask` at a given threshold."""
+    return ((_sg(_f32(entropy)) >= threshold) & (_f32(mask) > 0)).astype(jnp.float32)
 
 
 def vespo_weights(log_ratio: Array, mask: Array, advantages: Array, config: GRPOLossConfig,

@@ -12,8 +12,8 @@ global ``lse``. What differs between the ops is an :class:`OpKind`.
 For the fused head, ``dW`` (and ``db``) stay local to their shard (``shard_map`` sums them over
 the batch axes, the usual data-parallel reduction) and ``dhidden`` is summed over the vocab
 axis, since every shard contributes ``delta_k W_k^T`` (the XLA head, sequence-parallel when
-``T`` allows, sums it chunk by chunk into each device's own steps). The XLA head plans its chunk from the
-*whole* vocabulary, so a device's ``[c, V/k]`` logits and ``[H, V/k]`` float32 ``dW``
+``T`` allows, sums it chunk by chunk into each device's own steps). The XLA head plans its
+chunk from the *whole* vocabulary, so a device's ``[c, V/k]`` logits and ``[H, V/k]`` float32 ``dW``
 accumulator shrink by ``k``.
 """
 

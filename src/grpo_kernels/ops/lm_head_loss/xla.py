@@ -242,8 +242,8 @@ def xla_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: T
 
 
 def chunk_order(batch: int, time: int, parts: int, rows: int) -> np.ndarray:
-    """The ``[batch * time]`` row order of a ``seq`` sweep (:func:`~.xla_sweep.head_sweep`): position
-    ``p`` of the sweep holds the row-major ``[batch, time]`` row ``order[p]``.
+    """The ``[batch * time]`` row order of a ``seq`` sweep (:func:`~.xla_sweep.head_sweep`):
+    position ``p`` of the sweep holds the row-major ``[batch, time]`` row ``order[p]``.
 
     Each device holds ``time / parts`` consecutive steps of every sequence (``P(batch, axis)``
     on ``[B, T, H]``), as ``M = batch * time / parts`` local rows; a chunk of ``rows`` takes

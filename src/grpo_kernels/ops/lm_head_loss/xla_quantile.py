@@ -45,7 +45,9 @@ from grpo_kernels.objective.factors import (
     entropy_mask,
     entropy_norm,
     masked_quantile,
+    select_at,
 )
+from grpo_kernels.objective.terms import _local
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.lm_head_loss.xla_sweep import (
     Head,
@@ -64,14 +66,6 @@ _F32 = jnp.float32
 # Rows whose entropies estimate the threshold: a 1/16 quantile's rank error is about
 # sqrt(rho (1 - rho) / SAMPLE_ROWS), 2.5% of the tokens at rho = 0.2.
 SAMPLE_ROWS = 256
-
-
-def _local(x: Array) -> Array:
-    return x
-
-
-def _select(entropy: Array, mask: Array, threshold: Array) -> Array:
-    return ((entropy >= threshold) & (mask > 0)).astype(_F32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +97,7 @@ class QuantilePass:
     def grad_fn(self, start: Any, size: int, logp: Array, entropy: Array) -> RowGrad:
         """Step 2's factors of rows ``start .. start + size`` (a ``head_sweep`` grad_fn)."""
         c = {k: rows_of(v, start, size) for k, v in self.columns.items()}
-        return selected_row_grad(logp, entropy, _select(entropy, c["mask"], self.threshold),
+        return selected_row_grad(logp, entropy, select_at(entropy, c["mask"], self.threshold),
                                  self.norm, c, self.config)
 
     def exact(self, logp: Array, entropy: Array) -> RowGrad:
