@@ -73,10 +73,36 @@ def test_the_h100_proof_json_validates():
     report = json.loads((RESULTS / "gpu_proof4_h100_2026-11-23.json").read_text())
     proof_report.validate(report)
     assert report["plan"] == "real" and report["all_phases_ok"]
-    assert [r["phase"] for r in report["phases"]] == _names(proof.REAL)
+    # That run predates the gpu_layouts phase, which replaced its aligned-vocabulary bench.
+    then = [n if n != "gpu_layouts" else "bench_B1_T2048_V151936" for n in _names(proof.REAL)]
+    assert [r["phase"] for r in report["phases"]] == then
     assert report["machine"]["backend"] == "gpu"
     rebuilt = proof_report.build(report["plan"], report["phases"], report["wall_s"])
     assert rebuilt["targets"] == report["targets"] and rebuilt["auto_impl"] == "pallas"
+
+
+def _layout_record(step_ms: dict[tuple[int, str], float]) -> dict:
+    rows = [{"n": n, "vocab": 151643, "layout": layout, "stats_ms": 0.1, "grad_ms": 0.2,
+             "step_ms": ms, "step_bytes_per_s": 3 * n * 151643 * 2 / (ms * 1e-3)}
+            for (n, layout), ms in step_ms.items()]
+    return {"phase": "gpu_layouts", "rc": 0, "wall_s": 1.0, "argv": [], "rows": rows}
+
+
+def test_report_picks_the_gpu_layout_only_where_it_won_everywhere():
+    copy_rec = {"phase": "copy_bandwidth", "rc": 0, "wall_s": 1.0, "argv": [],
+                "rows": [{"bandwidth_bytes_per_s": 3e12}]}
+    both = {(2048, "rows"): 1.3, (2048, "aligned"): 1.0, (4096, "rows"): 2.3,
+            (4096, "aligned"): 1.9}
+    won = proof_report.build("real", [copy_rec, _layout_record(both)], 1.0)
+    proof_report.validate(won)
+    assert won["figures"]["gpu_layout"] == "aligned"
+    frac = won["figures"]["layouts"]["N2048_V151643"]["aligned"]["copy_fraction"]
+    assert frac == pytest.approx(3 * 2048 * 151643 * 2 / 1e-3 / 3e12)
+    assert "| N4096_V151643 | aligned | 0.1 | 0.2 | 1.9 |" in proof_report.to_markdown(won)
+    lost = proof_report.build("real", [_layout_record({**both, (4096, "aligned"): 2.4})], 1.0)
+    assert lost["figures"]["gpu_layout"] == "rows"
+    assert lost["figures"]["layouts"]["N2048_V151643"]["rows"]["copy_fraction"] is None
+    assert proof_report.build("real", [], 1.0)["figures"]["gpu_layout"] is None
 
 
 def test_validate_names_the_bad_key():
@@ -130,7 +156,9 @@ runpy.run_module("grpo_kernels.cli.main", run_name="__main__") if sys.argv[0] ==
     ["benchmarks/head_gradcheck.py", "--batch", "1", "--time", "4", "--hidden", "8",
      "--vocab", "64"],
     ["benchmarks/copy_bandwidth.py", "--rows", "4", "--vocab", "64"],
-], ids=["gradcheck", "bench", "bench-lm-head", "head_gradcheck", "copy_bandwidth"])
+    ["benchmarks/gpu_layouts.py", "--shapes", "4x64", "--iters", "1", "--rounds", "1"],
+], ids=["gradcheck", "bench", "bench-lm-head", "head_gradcheck", "copy_bandwidth",
+        "gpu_layouts"])
 def test_the_proof_path_needs_no_trainer_dependency(argv):
     """What the accelerator host lacks (flax, optax, wandb, ... and torch) is never imported."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
@@ -173,7 +201,13 @@ def test_dry_run_records_every_phase(tmp_path):
     assert len(records["gradcheck_family_pallas"]["rows"]) == 22
     fig = report["figures"]
     assert fig["copy"]["bandwidth_bytes_per_s"] > 0
-    assert set(fig["logits"]) == {"B1_T8", "B2_T5", "B1_T8_V256"}
+    assert set(fig["logits"]) == {"B1_T8", "B2_T5"}
+    assert set(fig["layouts"]) == {"N16_V300", "N8_V256"}
+    for t in fig["layouts"].values():
+        assert set(t) == {"rows", "aligned", "xla", "xla_copy"}
+        assert all(t[k]["step_ms"] > 0 and t[k]["copy_fraction"] > 0 for k in ("rows", "aligned"))
+        assert t["aligned"]["dlogits_max_rel_diff_to_rows"] <= 1e-2
+    assert fig["gpu_layout"] in ("rows", "aligned")
     assert all(0 < r["copy_fraction"] for t in fig["logits"].values() for r in t.values())
     assert report["auto_impl"] in ("pallas", "xla")
     md = (tmp_path / "proof.md").read_text()

@@ -7,7 +7,8 @@ plus the wheels of ``make proof-wheels``; ``make gpu-proof`` does both)::
     grpo-kernels proof --out DIR --dry-run    # every phase at tiny shapes, on any backend
 
 Each phase is a subprocess with a time limit: gradcheck and bench of the logits op (reference,
-xla, pallas), the family's gradcheck through pallas, device peak memory, copy bandwidth, the
+xla, pallas), the GPU kernels' two layouts against each other, the family's gradcheck through
+pallas, device peak memory, copy bandwidth, the
 fused LM head (gradcheck, bench with its matmul floor, memory) and the Liger-Kernel peers. A
 failing phase is recorded and the next one still runs. ``DIR/proof.log`` gets every phase's
 output; ``DIR/proof.json`` (rewritten after each phase, so a crash keeps what finished) the
@@ -37,7 +38,11 @@ class Plan:
     name: str
     logits_shapes: tuple[tuple[int, int], ...] = ((1, 2048), (4, 1024))
     vocab: int = 151643
-    aligned_vocab: int | None = 151936  # Qwen's padded vocabulary: 16-byte aligned rows
+    # The GPU layouts' A/B (benchmarks/gpu_layouts.py): N x V; 151,936 is Qwen's padded
+    # vocabulary, whose rows are 16-byte aligned in either layout.
+    layout_shapes: tuple[tuple[int, int], ...] = (
+        (2048, 151643), (4096, 151643), (2048, 151936))
+    layout_block_vocab: int | None = None
     head: tuple[int, int, int, int] = (1, 8192, 4096, 151936)  # B, T, H, V
     family: tuple[int, int, int] = (2, 256, 32773)  # B, T, V: four full tiles and a tail
     copy_rows: int = 4096
@@ -52,7 +57,8 @@ REAL = Plan("real")
 SHORT = dataclasses.replace(REAL, name="short", gradcheck_impls=("pallas",),
                             memory_impls=("pallas", "xla"))
 # Every phase at tiny shapes, on whatever backend is there (CI runs it on the CPU).
-DRY = Plan("dry", logits_shapes=((1, 8), (2, 5)), vocab=300, aligned_vocab=256,
+DRY = Plan("dry", logits_shapes=((1, 8), (2, 5)), vocab=300,
+           layout_shapes=((16, 300), (8, 256)), layout_block_vocab=128,
            head=(1, 16, 32, 300), family=(2, 6, 300), copy_rows=16, iters=2, head_iters=2)
 PLANS = {p.name: p for p in (REAL, SHORT, DRY)}
 GROUPS = ("env", "logits", "lm_head", "liger")
@@ -113,10 +119,10 @@ def phases(groups: set[str], plan: Plan = REAL) -> list[tuple[str, list[str], in
                  "--format", "json"]
         for b, t in plan.logits_shapes:
             out.append((f"bench_B{b}_T{t}", _cli(*bench, *shape(b, t)), 180))
-        if plan.aligned_vocab:  # the same step with rows 16-byte aligned (Qwen's padded vocab)
-            b, t = plan.logits_shapes[0]
-            out.append((f"bench_B{b}_T{t}_V{plan.aligned_vocab}",
-                        _cli(*bench, *shape(b, t, plan.aligned_vocab)), 180))
+        out.append(("gpu_layouts", _script(
+            "gpu_layouts.py", "--shapes", ",".join(f"{n}x{v}" for n, v in plan.layout_shapes),
+            "--iters", plan.iters, *(["--block-vocab", plan.layout_block_vocab]
+                                     if plan.layout_block_vocab else [])), 240))
         for b, t in plan.logits_shapes:
             for impl in plan.memory_impls:
                 out.append((f"memory_{impl}_B{b}_T{t}",

@@ -80,7 +80,7 @@ def figures(records: list[dict]) -> dict[str, Any]:
     copies = [row for rows in _rows(records, "copy_bandwidth").values() for row in rows]
     copy = max(copies, key=lambda r: r["bandwidth_bytes_per_s"]) if copies else None
     fig: dict[str, Any] = {"copy": copy, "logits": {}, "memory": {}, "lm_head": {},
-                           "gradcheck": {}, "liger": {}}
+                           "gradcheck": {}, "liger": {}, "layouts": {}}
     for phase, rows in _rows(records, "gradcheck").items():
         fig["gradcheck"][phase] = {"checks": len(rows),
                                    "passed": sum(bool(r.get("passed")) for r in rows),
@@ -110,12 +110,27 @@ def figures(records: list[dict]) -> dict[str, Any]:
     for row in _rows(records, "head_gradcheck").get("head_gradcheck", []):
         fig["lm_head"]["gradcheck"] = {k: row.get(k) for k in (
             "passed", "bound", "dhidden_err_xla", "dW_err_xla")}
+    for row in _rows(records, "gpu_layouts").get("gpu_layouts", []):
+        bw = row.get("step_bytes_per_s")
+        fig["layouts"].setdefault(f"N{row['n']}_V{row['vocab']}", {})[row["layout"]] = {
+            **{k: row.get(k) for k in ("stats_ms", "grad_ms", "step_ms",
+                                       "dlogits_max_rel_diff_to_rows")},
+            "copy_fraction": bw / copy["bandwidth_bytes_per_s"] if bw and copy else None}
+    fig["gpu_layout"] = gpu_layout(fig["layouts"])
     for phase, rows in _rows(records, "liger").items():
         for row in rows:
             fig["liger"][phase[len("liger_"):]] = {
                 "liger": row.get("liger"), "ours_over_liger": row.get("ours_over_liger"),
                 "loss_rel_diff": row.get("loss_rel_diff")}
     return fig
+
+
+def gpu_layout(layouts: dict[str, Any]) -> str | None:
+    """The ``PallasOptions.gpu_layout`` default this run supports: "aligned" when its step beat
+    the rows layout's at every shape, "rows" when it lost at one, None when unmeasured."""
+    wins = [t["aligned"]["step_ms"] < t["rows"]["step_ms"] for t in layouts.values()
+            if "aligned" in t and "rows" in t]
+    return None if not wins else ("aligned" if all(wins) else "rows")
 
 
 def _target(name: str, value: float | None, target: str, met: bool | None,
@@ -212,6 +227,14 @@ def to_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {s} | {impl} | {_fmt(r['median_ms'])} | {_fmt(r['first_call_s'])}"
                          f" | {_fmt(r['peak_bytes_in_use'])} | {r['bytes_per_s'] / 1e12:.3f} | "
                          f"{_fmt(r['copy_fraction'])} |")
+    if fig["layouts"]:
+        lines += ["", "| N x V | GPU layout | statistics ms | gradient ms | step ms | step, of "
+                  "copy (3 V b) |", "|---|---|---|---|---|---|"]
+        lines += [f"| {s} | {k} | {_fmt(v['stats_ms'])} | {_fmt(v['grad_ms'])} | "
+                  f"{_fmt(v['step_ms'])} | {_fmt(v['copy_fraction'])} |"
+                  for s, t in fig["layouts"].items() for k, v in t.items()]
+        lines += ["", f"GPU layout this run supports as the default: {_fmt(fig['gpu_layout'])} "
+                  "(xla_copy's step is XLA's z + 1: the gradient kernel's bytes)."]
     if fig["memory"]:
         lines += ["", "| memory phase | peak bytes | peak / (logits + dlogits) |", "|---|---|---|"]
         lines += [f"| {k} | {_fmt(v['peak_bytes_in_use'])} | "

@@ -69,6 +69,10 @@ class PallasOptions:
         (:func:`grpo_kernels.objective.token_separable`). ``None``: exactly when the TPU kernel
         runs and the config is token-separable; ``True`` with a GPU kernel or another config
         raises; ``False``: the two kernels.
+      gpu_layout: How the GPU kernels address a row: ``"rows"`` (tiles from each row's start,
+        the measured default) or ``"aligned"`` (tiles on 16-byte boundaries, no column ids
+        inside them; :mod:`~grpo_kernels.ops.logits_loss.pallas_gpu_aligned`). Ignored by the
+        TPU kernels.
       interpret: Run the kernels in interpret mode; ``None``: exactly when the backend is CPU.
         ``"hlo"``: JAX's generic HLO interpreter instead of the TPU one (what
         :mod:`grpo_kernels.sharding` uses on a CPU mesh: the TPU interpreter makes every device
@@ -81,6 +85,7 @@ class PallasOptions:
     alias_logits: bool = False
     interpret: bool | Literal["hlo"] | None = None
     one_pass: bool | None = None
+    gpu_layout: Literal["rows", "aligned"] = "rows"
 
     def __post_init__(self) -> None:
         check_interpret("PallasOptions", self.interpret)
@@ -93,6 +98,9 @@ class PallasOptions:
         if self.one_pass not in (None, True, False):
             raise ValueError(f"PallasOptions.one_pass must be None, True or False, "
                              f"got {self.one_pass!r}")
+        if self.gpu_layout not in pallas_gpu.LAYOUTS:
+            raise ValueError(f"PallasOptions.gpu_layout must be one of {pallas_gpu.LAYOUTS}, "
+                             f"got {self.gpu_layout!r}")
         if not isinstance(self.alias_logits, bool):
             raise ValueError(f"PallasOptions.alias_logits must be True or False, "
                              f"got {self.alias_logits!r}")
@@ -128,7 +136,8 @@ def kernels(vocab: int, dtype, opts: PallasOptions):
     interpret = opts.resolved_interpret()
     blocks = opts.blocks or PallasBlockSizes()
     if opts.resolved_kernel() == "gpu":
-        tiling, mod = pallas_gpu.plan_blocks(vocab, blocks.block_vocab), pallas_gpu
+        tiling = pallas_gpu.plan_blocks(vocab, blocks.block_vocab, opts.gpu_layout)
+        mod = pallas_gpu
     else:
         tiling, mod = _tpu_tiling(vocab, dtype, opts), pallas_tpu
 

@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from grpo_kernels.compat import out_struct
+from grpo_kernels.ops.logits_loss import pallas_gpu_aligned as aligned
 from grpo_kernels.ops.core.online_softmax import block_stats, finish, reduce_stats, softmax_grad
 
 Array = jax.Array
@@ -45,14 +46,19 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class GpuBlocks:
-    """Tiling of the GPU kernels: vocabulary tile per program (a power of two) and warps per
-    program."""
+    """Tiling of the GPU kernels: vocabulary tile per program (a power of two), warps per
+    program, and the layout (``"rows"``: this module's kernels; ``"aligned"``:
+    :mod:`~grpo_kernels.ops.logits_loss.pallas_gpu_aligned`)."""
 
     block_vocab: int
     num_warps: int
+    layout: str = "rows"
 
 
-def plan_blocks(vocab: int, block_vocab: int | None = None) -> GpuBlocks:
+LAYOUTS = ("rows", "aligned")
+
+
+def plan_blocks(vocab: int, block_vocab: int | None = None, layout: str = "rows") -> GpuBlocks:
     """Power-of-two tile of at most 8192 columns, 4 warps (64 columns per thread).
 
     The tile the H100 probe of tiles from 1024 to 8192 columns chose (benchmarks/gpu_probes.py
@@ -62,7 +68,9 @@ def plan_blocks(vocab: int, block_vocab: int | None = None) -> GpuBlocks:
         block_vocab = min(8192, pl.next_power_of_2(vocab))
     if block_vocab & (block_vocab - 1):
         raise ValueError(f"block_vocab must be a power of two on GPU, got {block_vocab}")
-    return GpuBlocks(block_vocab, num_warps=4)
+    if layout not in LAYOUTS:
+        raise ValueError(f"the GPU layout must be one of {LAYOUTS}, got {layout!r}")
+    return GpuBlocks(block_vocab, num_warps=4, layout=layout)
 
 
 def _tile(x_ref, start, block_vocab, vocab, ragged, other):
@@ -135,6 +143,8 @@ def _params(blocks: GpuBlocks):
 def row_statistics(z: Array, ids: Array, temperature: float, blocks: GpuBlocks,
                    interpret: bool = False) -> tuple[Array, Array, Array]:
     """``(logp, lse, entropy)``, each ``[N]`` float32; arguments as the TPU version's."""
+    if blocks.layout == "aligned":
+        return aligned.row_statistics(z, ids, temperature, blocks, _params(blocks), interpret)
     n, vocab = z.shape
     ids = ids.astype(jnp.int32)
     full, tail = divmod(vocab, blocks.block_vocab)
@@ -169,6 +179,9 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
     second call then reads and overwrites tile by tile (each program reads its tile before it
     writes it, and no other program touches it).
     """
+    if blocks.layout == "aligned":
+        return aligned.logits_gradient(z, ids, lse, coef, temperature, blocks, _params(blocks),
+                                       interpret, alias_logits, hcoef, entropy)
     n, vocab = z.shape
     with_entropy = hcoef is not None
     args = (ids.astype(jnp.int32), lse.astype(_F32), coef.astype(_F32)) + (

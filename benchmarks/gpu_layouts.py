@@ -1,0 +1,126 @@
+"""The GPU kernels' two layouts, ``rows`` and ``aligned``, timed in one process (a proof phase).
+
+    python3 benchmarks/gpu_layouts.py                       # the issue's shapes, on a GPU
+    python3 benchmarks/gpu_layouts.py --shapes 16x300 --block-vocab 128 --iters 2   # a CPU smoke
+
+For each ``N x V`` (bf16 logits, the default loss with old and reference log-probs), and each
+layout (``PallasOptions(gpu_layout=...)``): the statistics kernels alone, the gradient kernels
+alone, and the whole ``value_and_grad`` step; then the ``xla`` step and XLA's ``z + 1`` (the
+gradient's bytes: one read, one write) as yardsticks. The layouts alternate over ``--rounds``
+rounds and each figure is the mean of its rounds' medians. The aligned layout's loss and
+dlogits are compared with the rows layout's in the same run. One JSON line per measurement;
+off a GPU the kernels are interpreted (numbers only, no meaningful times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+from timing import median_ms
+
+from grpo_kernels import GRPOLossConfig, PallasBlockSizes, PallasOptions, grpo_loss
+from grpo_kernels.ops.logits_loss import pallas_gpu
+from grpo_kernels.ops.logits_loss.inputs import random_inputs
+
+LAYOUTS = pallas_gpu.LAYOUTS
+SHAPES = "2048x151643,4096x151643,2048x151936"
+
+
+def shape_list(text: str) -> list[tuple[int, int]]:
+    """``"NxV,NxV"`` -> ``[(N, V), ...]``."""
+    try:
+        out = [tuple(int(x) for x in part.split("x")) for part in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or any(len(s) != 2 or min(s) < 1 for s in out):
+        raise argparse.ArgumentTypeError(f"--shapes wants N x V pairs like 2048x151643,"
+                                         f"4096x151643, got {text!r}")
+    return out
+
+
+def _rel(a, b) -> float:
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+
+
+def measure(n: int, vocab: int, block_vocab: int | None, iters: int, rounds: int):
+    """The JSON rows of one shape."""
+    cfg = GRPOLossConfig()
+    inp = random_inputs(n + vocab, 1, n, vocab, jnp.bfloat16, cfg)
+    z, ids = inp.logits.reshape(n, vocab), inp.ids.reshape(n)
+    coef = jax.random.normal(jax.random.PRNGKey(1), (n,), jnp.float32)
+    interpret = jax.default_backend() not in ("gpu", "cuda", "rocm")
+    fns, outs = {}, {}
+    for layout in LAYOUTS:
+        blocks = pallas_gpu.plan_blocks(vocab, block_vocab, layout)
+        opts = PallasOptions(kernel="gpu", gpu_layout=layout,
+                             blocks=PallasBlockSizes(block_vocab=block_vocab))
+        stats = jax.jit(lambda z, b=blocks: pallas_gpu.row_statistics(
+            z, ids, 1.0, b, interpret=interpret))
+        lse = stats(z)[1]
+        grad = jax.jit(lambda z, b=blocks: pallas_gpu.logits_gradient(
+            z, ids, lse, coef, 1.0, b, interpret=interpret))
+        step = jax.jit(jax.value_and_grad(lambda z, o=opts: grpo_loss(
+            z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="pallas", options=o,
+            **inp.kwargs())[0]))
+        fns[layout] = {"stats": stats, "grad": grad, "step": step}
+        outs[layout] = step(inp.logits)
+    fns["xla"] = {"step": jax.jit(jax.value_and_grad(lambda z: grpo_loss(
+        z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="xla", **inp.kwargs())[0]))}
+    fns["xla_copy"] = {"step": jax.jit(lambda z: z + jnp.asarray(1, z.dtype))}
+    args = {"stats": (z,), "grad": (z,), "step": (inp.logits,)}
+    times: dict[tuple[str, str], list[float]] = {}
+    for _ in range(rounds):
+        for name, kernels in fns.items():
+            for what, f in kernels.items():
+                ms = median_ms(lambda f=f, a=args[what]: f(*a), iters, 2)
+                times.setdefault((name, what), []).append(ms)
+    nbytes = z.size * z.dtype.itemsize
+    (loss_r, dz_r), (loss_a, dz_a) = outs["rows"], outs["aligned"]
+    rows = []
+    for name, kernels in fns.items():
+        row = {"n": n, "vocab": vocab, "layout": name, "block_vocab": block_vocab,
+               "backend": jax.default_backend(), "interpret": interpret}
+        for what in kernels:
+            row[f"{what}_ms"] = statistics.mean(times[(name, what)])
+            row[f"{what}_ms_rounds"] = times[(name, what)]
+        if name in LAYOUTS or name == "xla":
+            row["step_bytes_per_s"] = 3 * nbytes / (row["step_ms"] * 1e-3)
+        if name == "aligned":
+            row["loss_rel_diff_to_rows"] = _rel(loss_a, loss_r)
+            row["dlogits_max_rel_diff_to_rows"] = _rel(dz_a, dz_r)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", type=shape_list, default=shape_list(SHAPES),
+                   help=f"comma list of N x V (default {SHAPES})")
+    p.add_argument("--block-vocab", type=int, default=None,
+                   help="the kernels' vocabulary tile (default: pallas_gpu.plan_blocks)")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per median")
+    p.add_argument("--rounds", type=int, default=2, help="rounds the layouts alternate over")
+    args = p.parse_args(argv)
+    if args.iters < 1 or args.rounds < 1:
+        p.error(f"--iters and --rounds must be >= 1, got {args.iters} and {args.rounds}")
+    worst = 0.0
+    for n, vocab in args.shapes:
+        for row in measure(n, vocab, args.block_vocab, args.iters, args.rounds):
+            worst = max(worst, row.get("dlogits_max_rel_diff_to_rows", 0.0),
+                        row.get("loss_rel_diff_to_rows", 0.0))
+            print(json.dumps(row), flush=True)
+    # The two layouts compute the same thing; a difference beyond rounding is a bug.
+    if not worst <= 1e-2:
+        print(f"the aligned layout differs from the rows layout: {worst:.3g}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Static facts of the GPU kernels as ptxas compiles them, with no GPU: registers, instructions.
+
+    python3 -m venv /tmp/tv && /tmp/tv/bin/pip install triton==3.6.0   # once: the GPU image's
+    python3 benchmarks/triton_static.py --triton-python /tmp/tv/bin/python
+
+The CPU jaxlib lowers the Pallas GPU kernels to Triton IR; ``pallas_call(debug=True)`` prints
+it. This script lowers each layout's ``value_and_grad`` pieces (statistics and gradient, the
+default tiling) at ``N x V``, strips the printed debug locations, and hands each module to
+the given Triton, which compiles it for sm_90 (ptxas and cuobjdump ship with it). It prints one
+JSON line per kernel: registers per thread, SASS instructions, global loads and stores by
+width, ``ex2`` count and barriers. A kernel's occupancy follows from its registers (65,536 per
+multiprocessor). Times still need the GPU (``make gpu-proof``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from grpo_kernels.ops.logits_loss import pallas_gpu
+from grpo_kernels.ops.logits_loss import pallas_gpu_aligned
+
+_COMPILE = r"""
+import collections, json, os, re, subprocess, sys, triton
+from triton.backends.compiler import GPUTarget
+bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+for path, warps in json.loads(sys.argv[1]):
+    k = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": 2})
+    cubin = path + ".cubin"
+    open(cubin, "wb").write(k.asm["cubin"])
+    res = subprocess.run([bin_dir + "/cuobjdump", "-res-usage", cubin], capture_output=True,
+                         text=True).stdout
+    sass = subprocess.run([bin_dir + "/cuobjdump", "-sass", cubin], capture_output=True,
+                          text=True).stdout
+    ins = [l for l in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", l)]
+    ptx = k.asm["ptx"]
+    print(json.dumps({
+        "kernel": os.path.basename(path)[:-5], "num_warps": warps,
+        "registers": int(re.search(r"REG:(\d+)", res).group(1)),
+        "sass_instructions": len(ins),
+        "loads": dict(collections.Counter(re.findall(r"ld\.global[.\w]*", ptx))),
+        "stores": dict(collections.Counter(re.findall(r"st\.global[.\w]*", ptx))),
+        "ex2": ptx.count("ex2.approx"), "barriers": sum("BAR" in l for l in ins)}), flush=True)
+"""
+
+
+def triton_modules(n: int, vocab: int, dtype, layout: str) -> list[tuple[str, str]]:
+    """``(kernel name, Triton IR text without locations)`` of one layout's kernels."""
+    blocks = pallas_gpu.plan_blocks(vocab, None, layout)
+    real = pl.pallas_call
+
+    def debug_call(*args, **kw):
+        return real(*args, **{**kw, "debug": True})
+
+    spec = jax.ShapeDtypeStruct
+    z, ids, row = spec((n, vocab), dtype), spec((n,), jnp.int32), spec((n,), jnp.float32)
+    out = io.StringIO()
+    mods = (pallas_gpu.pl, pallas_gpu_aligned.pl)
+    try:
+        for m in mods:
+            m.pallas_call = debug_call
+        with contextlib.redirect_stdout(out):
+            jax.jit(lambda z, i: pallas_gpu.row_statistics(z, i, 1.0, blocks)).trace(
+                z, ids).lower(lowering_platforms=("cuda",))
+            jax.jit(lambda z, i, lse, c: pallas_gpu.logits_gradient(
+                z, i, lse, c, 1.0, blocks)).trace(z, ids, row, row).lower(
+                lowering_platforms=("cuda",))
+    finally:
+        for m in mods:
+            m.pallas_call = real
+    found = re.findall(r"The Triton module for pallas_call (\S+) .*?\n(module @.*?\n}[^\n]*\n)",
+                       out.getvalue(), re.S)
+    cleaned = []
+    for name, body in found:
+        body = re.sub(r' "[^"\n]*"\(#loc\d*\)', "", body)
+        body = re.sub(r" \[unknown\]", "", body)
+        cleaned.append((name, re.sub(r" loc\(#loc\d*\)", "", body)))
+    return cleaned
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--triton-python", required=True,
+                   help="a Python with triton installed (3.6.0: the GPU image's)")
+    p.add_argument("--rows", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=151643)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--layouts", default=",".join(pallas_gpu.LAYOUTS),
+                   help=f"comma list of {pallas_gpu.LAYOUTS}")
+    args = p.parse_args(argv)
+    layouts = args.layouts.split(",")
+    if not set(layouts) <= set(pallas_gpu.LAYOUTS):
+        p.error(f"--layouts must be a comma list of {pallas_gpu.LAYOUTS}, got {args.layouts!r}")
+    with tempfile.TemporaryDirectory() as tmp:
+        todo = []
+        for layout in layouts:
+            blocks = pallas_gpu.plan_blocks(args.vocab, None, layout)
+            for i, (name, text) in enumerate(triton_modules(args.rows, args.vocab,
+                                                            jnp.dtype(args.dtype), layout)):
+                path = Path(tmp) / f"{layout}_{i}_{name}.ttir"
+                path.write_text(text)
+                todo.append((str(path), blocks.num_warps))
+        r = subprocess.run([args.triton_python, "-c", _COMPILE, json.dumps(todo)],
+                           capture_output=True, text=True)
+        sys.stdout.write(r.stdout)
+        if r.returncode:
+            sys.stderr.write(r.stderr[-3000:])
+        return r.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
