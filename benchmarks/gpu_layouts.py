@@ -54,7 +54,7 @@ def measure(n: int, vocab: int, block_vocab: int | None, iters: int, rounds: int
     inp = random_inputs(n + vocab, 1, n, vocab, jnp.bfloat16, cfg)
     z, ids = inp.logits.reshape(n, vocab), inp.ids.reshape(n)
     coef = jax.random.normal(jax.random.PRNGKey(1), (n,), jnp.float32)
-    interpret = jax.default_backend() not in ("gpu", "cuda", "rocm")
+    interpret = bool(PallasOptions(kernel="gpu").resolved_interpret())  # exactly on CPU
     fns, outs = {}, {}
     for layout in LAYOUTS:
         blocks = pallas_gpu.plan_blocks(vocab, block_vocab, layout)

@@ -125,12 +125,17 @@ def figures(records: list[dict]) -> dict[str, Any]:
     return fig
 
 
+def _winner(tables: list[dict[str, Any]], new: str, old: str, key: str) -> str | None:
+    """``new`` when its ``key`` time beat ``old``'s in every table that has both, ``old`` when
+    it lost in one, None when no table has both."""
+    wins = [t[new][key] < t[old][key] for t in tables if new in t and old in t]
+    return None if not wins else (new if all(wins) else old)
+
+
 def gpu_layout(layouts: dict[str, Any]) -> str | None:
     """The ``PallasOptions.gpu_layout`` default this run supports: "aligned" when its step beat
     the rows layout's at every shape, "rows" when it lost at one, None when unmeasured."""
-    wins = [t["aligned"]["step_ms"] < t["rows"]["step_ms"] for t in layouts.values()
-            if "aligned" in t and "rows" in t]
-    return None if not wins else ("aligned" if all(wins) else "rows")
+    return _winner(list(layouts.values()), "aligned", "rows", "step_ms")
 
 
 def _target(name: str, value: float | None, target: str, met: bool | None,
@@ -184,10 +189,7 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
 def auto_impl(fig: dict[str, Any]) -> str | None:
     """The ``MEASURED_DEFAULTS`` entry this run supports: "pallas" when it beat xla at every
     logits shape, "xla" when it lost at one, None when unmeasured."""
-    shapes = [fig["logits"][s] for s in _issue_shapes(fig)]
-    wins = [t["pallas"]["median_ms"] < t["xla"]["median_ms"]
-            for t in shapes if "pallas" in t and "xla" in t]
-    return None if not wins else ("pallas" if all(wins) else "xla")
+    return _winner([fig["logits"][s] for s in _issue_shapes(fig)], "pallas", "xla", "median_ms")
 
 
 def build(plan: str, records: list[dict], wall_s: float) -> dict[str, Any]:

@@ -124,8 +124,8 @@ def _stats_edge_kernel(x_ref, m_ref, s_ref, q_ref, *, block_vocab, scale, vocab,
 
 def _grad_tile_kernel(x_ref, lse_ref, a_ref, *rest, block_vocab, scale, vocab, align,
                       with_entropy):
-    # rest: the entropy term's factor (with_entropy), the chosen logits (an input only so that
-    # XLA gathers them before an aliased call overwrites the logits), then the output.
+    # rest: the entropy term's factor (with_entropy), with alias_logits the chosen logits (an
+    # input only so that XLA gathers them before this call overwrites the logits), the output.
     o_ref = rest[-1]
     base, head = _row(vocab, align)
     start = _tile_start(base, head, block_vocab, align)
@@ -224,7 +224,8 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
     out = flat
     if full:
         a = coef + ent_args[0] * ent_args[1] if with_entropy else coef
-        args = (lse * _LOG2E, a) + ((ent_args[0] * _LN2,) if with_entropy else ()) + (zy,)
+        args = (lse * _LOG2E, a) + ((ent_args[0] * _LN2,) if with_entropy else ()) + (
+            (zy,) if alias_logits else ())
         row2 = pl.BlockSpec((None,), lambda i, j: (i,))
         out = pl.pallas_call(
             functools.partial(_grad_tile_kernel, block_vocab=blocks.block_vocab,
