@@ -1,13 +1,17 @@
 """The GPU kernels' two layouts, ``rows`` and ``aligned``, timed in one process (a proof phase).
 
     python3 benchmarks/gpu_layouts.py                       # the issue's shapes, on a GPU
-    python3 benchmarks/gpu_layouts.py --shapes 16x300 --block-vocab 128 --iters 2   # a CPU smoke
+    python3 benchmarks/gpu_layouts.py --shapes 16x300 --block-vocab 128 --iters 2 \
+        --tilings 256x4        # a CPU smoke
 
 For each ``N x V`` (bf16 logits, the default loss with old and reference log-probs), and each
 layout (``PallasOptions(gpu_layout=...)``): the statistics kernels alone, the gradient kernels
 alone, and the whole ``value_and_grad`` step; then the ``xla`` step and XLA's ``z + 1`` (the
-gradient's bytes: one read, one write) as yardsticks. The layouts alternate over ``--rounds``
-rounds and each figure is the mean of its rounds' medians. The aligned layout's loss and
+gradient's bytes: one read, one write) as yardsticks; then the aligned layout's two kernels at
+each other tiling of ``--tilings`` (vocabulary tile x warps per program; rows named
+``aligned_<tile>x<warps>``), so one GPU run also says which tiling that layout should default
+to. Everything alternates over ``--rounds`` rounds and each figure is the mean of its rounds'
+medians. The aligned layout's loss and
 dlogits are compared with the rows layout's in the same run. One JSON line per measurement;
 off a GPU the kernels are interpreted (numbers only, no meaningful times).
 """
@@ -29,6 +33,9 @@ from grpo_kernels.ops.logits_loss.inputs import random_inputs
 
 LAYOUTS = pallas_gpu.LAYOUTS
 SHAPES = "2048x151643,4096x151643,2048x151936"
+# The default (8192 x 4, timed as "aligned") is left out; 4096 leaves a tail of under 100
+# columns at V = 151,643 where 8192 leaves about 4,200.
+TILINGS = "4096x4,8192x8,16384x8"
 
 
 def shape_list(text: str) -> list[tuple[int, int]]:
@@ -43,12 +50,37 @@ def shape_list(text: str) -> list[tuple[int, int]]:
     return out
 
 
+def tiling_list(text: str) -> list[tuple[int, int]]:
+    """``"BVxW,BVxW"`` -> ``[(block_vocab, num_warps), ...]`` (empty text: none)."""
+    try:
+        out = [tuple(int(x) for x in part.split("x")) for part in text.split(",") if part]
+    except ValueError:
+        out = [()]
+    if any(len(t) != 2 or t[0] < 1 or t[0] & (t[0] - 1) or t[1] not in (1, 2, 4, 8, 16)
+           for t in out):
+        raise argparse.ArgumentTypeError(
+            f"--tilings wants vocabulary tile x warps pairs (a power of two x 1, 2, 4, 8 or "
+            f"16) like 4096x4,8192x8, got {text!r}")
+    return out
+
+
 def _rel(a, b) -> float:
     a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
     return float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
 
 
-def measure(n: int, vocab: int, block_vocab: int | None, iters: int, rounds: int):
+def _kernels(z, ids, coef, blocks, interpret: bool) -> dict:
+    """The jitted statistics and gradient kernels of one tiling."""
+    stats = jax.jit(lambda z: pallas_gpu.row_statistics(z, ids, 1.0, blocks,
+                                                        interpret=interpret))
+    lse = stats(z)[1]
+    grad = jax.jit(lambda z: pallas_gpu.logits_gradient(z, ids, lse, coef, 1.0, blocks,
+                                                        interpret=interpret))
+    return {"stats": stats, "grad": grad}
+
+
+def measure(n: int, vocab: int, block_vocab: int | None, iters: int, rounds: int,
+            tilings: list[tuple[int, int]] = ()):
     """The JSON rows of one shape."""
     cfg = GRPOLossConfig()
     inp = random_inputs(n + vocab, 1, n, vocab, jnp.bfloat16, cfg)
@@ -60,19 +92,18 @@ def measure(n: int, vocab: int, block_vocab: int | None, iters: int, rounds: int
         blocks = pallas_gpu.plan_blocks(vocab, block_vocab, layout)
         opts = PallasOptions(kernel="gpu", gpu_layout=layout,
                              blocks=PallasBlockSizes(block_vocab=block_vocab))
-        stats = jax.jit(lambda z, b=blocks: pallas_gpu.row_statistics(
-            z, ids, 1.0, b, interpret=interpret))
-        lse = stats(z)[1]
-        grad = jax.jit(lambda z, b=blocks: pallas_gpu.logits_gradient(
-            z, ids, lse, coef, 1.0, b, interpret=interpret))
         step = jax.jit(jax.value_and_grad(lambda z, o=opts: grpo_loss(
             z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="pallas", options=o,
             **inp.kwargs())[0]))
-        fns[layout] = {"stats": stats, "grad": grad, "step": step}
+        fns[layout] = {**_kernels(z, ids, coef, blocks, interpret), "step": step}
         outs[layout] = step(inp.logits)
     fns["xla"] = {"step": jax.jit(jax.value_and_grad(lambda z: grpo_loss(
         z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="xla", **inp.kwargs())[0]))}
     fns["xla_copy"] = {"step": jax.jit(lambda z: z + jnp.asarray(1, z.dtype))}
+    tiled = {f"aligned_{bv}x{warps}": pallas_gpu.GpuBlocks(bv, warps, "aligned")
+             for bv, warps in tilings}
+    for name, blocks in tiled.items():
+        fns[name] = _kernels(z, ids, coef, blocks, interpret)
     args = {"stats": (z,), "grad": (z,), "step": (inp.logits,)}
     times: dict[tuple[str, str], list[float]] = {}
     for _ in range(rounds):
@@ -84,7 +115,8 @@ def measure(n: int, vocab: int, block_vocab: int | None, iters: int, rounds: int
     (loss_r, dz_r), (loss_a, dz_a) = outs["rows"], outs["aligned"]
     rows = []
     for name, kernels in fns.items():
-        row = {"n": n, "vocab": vocab, "layout": name, "block_vocab": block_vocab,
+        row = {"n": n, "vocab": vocab, "layout": name,
+               "block_vocab": tiled[name].block_vocab if name in tiled else block_vocab,
                "backend": jax.default_backend(), "interpret": interpret}
         for what in kernels:
             row[f"{what}_ms"] = statistics.mean(times[(name, what)])
@@ -94,6 +126,10 @@ def measure(n: int, vocab: int, block_vocab: int | None, iters: int, rounds: int
         if name == "aligned":
             row["loss_rel_diff_to_rows"] = _rel(loss_a, loss_r)
             row["dlogits_max_rel_diff_to_rows"] = _rel(dz_a, dz_r)
+        if name in tiled:  # the same kernels' dlogits as the rows layout's, same inputs
+            row["num_warps"] = tiled[name].num_warps
+            row["dlogits_max_rel_diff_to_rows"] = _rel(kernels["grad"](z),
+                                                       fns["rows"]["grad"](z))
         rows.append(row)
     return rows
 
@@ -104,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma list of N x V (default {SHAPES})")
     p.add_argument("--block-vocab", type=int, default=None,
                    help="the kernels' vocabulary tile (default: pallas_gpu.plan_blocks)")
+    p.add_argument("--tilings", type=tiling_list, default=tiling_list(TILINGS),
+                   help=f"the aligned layout's other tilings, tile x warps (default {TILINGS}; "
+                   "empty: none)")
     p.add_argument("--iters", type=int, default=20, help="timed calls per median")
     p.add_argument("--rounds", type=int, default=2, help="rounds the layouts alternate over")
     args = p.parse_args(argv)
@@ -111,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--iters and --rounds must be >= 1, got {args.iters} and {args.rounds}")
     worst = 0.0
     for n, vocab in args.shapes:
-        for row in measure(n, vocab, args.block_vocab, args.iters, args.rounds):
+        for row in measure(n, vocab, args.block_vocab, args.iters, args.rounds, args.tilings):
             worst = max(worst, row.get("dlogits_max_rel_diff_to_rows", 0.0),
                         row.get("loss_rel_diff_to_rows", 0.0))
             print(json.dumps(row), flush=True)

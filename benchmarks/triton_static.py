@@ -2,13 +2,16 @@
 
     python3 -m venv /tmp/tv && /tmp/tv/bin/pip install triton==3.6.0   # once: the GPU image's
     python3 benchmarks/triton_static.py --triton-python /tmp/tv/bin/python
+    python3 benchmarks/triton_static.py --triton-python /tmp/tv/bin/python --layouts aligned \
+        --block-vocab 4096,8192 --num-warps 4,8      # other tilings
 
 The CPU jaxlib lowers the Pallas GPU kernels to Triton IR; ``pallas_call(debug=True)`` prints
-it. This script lowers each layout's ``value_and_grad`` pieces (statistics and gradient, the
-default tiling) at ``N x V``, strips the printed debug locations, and hands each module to
-the given Triton, which compiles it for sm_90 (ptxas and cuobjdump ship with it). It prints one
-JSON line per kernel: registers per thread, SASS instructions, global loads and stores by
-width, ``ex2`` count and barriers. A kernel's occupancy follows from its registers (65,536 per
+it. This script lowers each layout's ``value_and_grad`` pieces (statistics and gradient, at
+the default tiling or each of the given ones) at ``N x V``, strips the printed debug
+locations, and hands each module to the given Triton, which compiles it for sm_90 (ptxas and
+cuobjdump ship with it). It prints one JSON line per kernel (with its layout, shape and
+tiling): registers per thread, SASS instructions, global loads and stores by width, ``ex2``
+count and barriers. A kernel's occupancy follows from its registers (65,536 per
 multiprocessor). Times still need the GPU (``make gpu-proof``).
 """
 
@@ -16,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
+import itertools
 import json
 import re
 import subprocess
@@ -35,7 +40,7 @@ _COMPILE = r"""
 import collections, json, os, re, subprocess, sys, triton
 from triton.backends.compiler import GPUTarget
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-for path, warps in json.loads(sys.argv[1]):
+for path, warps, meta in json.loads(sys.argv[1]):
     k = triton.compile(path, target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": 2})
     cubin = path + ".cubin"
@@ -47,7 +52,7 @@ for path, warps in json.loads(sys.argv[1]):
     ins = [l for l in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", l)]
     ptx = k.asm["ptx"]
     print(json.dumps({
-        "kernel": os.path.basename(path)[:-5], "num_warps": warps,
+        "kernel": os.path.basename(path)[:-5], **meta, "num_warps": warps,
         "registers": int(re.search(r"REG:(\d+)", res).group(1)),
         "sass_instructions": len(ins),
         "loads": dict(collections.Counter(re.findall(r"ld\.global[.\w]*", ptx))),
@@ -56,9 +61,9 @@ for path, warps in json.loads(sys.argv[1]):
 """
 
 
-def triton_modules(n: int, vocab: int, dtype, layout: str) -> list[tuple[str, str]]:
-    """``(kernel name, Triton IR text without locations)`` of one layout's kernels."""
-    blocks = pallas_gpu.plan_blocks(vocab, None, layout)
+def triton_modules(n: int, vocab: int, dtype, blocks: pallas_gpu.GpuBlocks
+                   ) -> list[tuple[str, str]]:
+    """``(kernel name, Triton IR text without locations)`` of one tiling's kernels."""
     real = pl.pallas_call
 
     def debug_call(*args, **kw):
@@ -99,19 +104,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--layouts", default=",".join(pallas_gpu.LAYOUTS),
                    help=f"comma list of {pallas_gpu.LAYOUTS}")
+    p.add_argument("--block-vocab", default="",
+                   help="comma list of vocabulary tiles (default: plan_blocks's)")
+    p.add_argument("--num-warps", default="", help="comma list (default: plan_blocks's)")
     args = p.parse_args(argv)
     layouts = args.layouts.split(",")
     if not set(layouts) <= set(pallas_gpu.LAYOUTS):
         p.error(f"--layouts must be a comma list of {pallas_gpu.LAYOUTS}, got {args.layouts!r}")
+    try:
+        tiles = [int(x) for x in args.block_vocab.split(",") if x] or [None]
+        warps = [int(x) for x in args.num_warps.split(",") if x] or [None]
+    except ValueError:
+        p.error(f"--block-vocab and --num-warps want comma lists of integers, got "
+                f"{args.block_vocab!r} and {args.num_warps!r}")
     with tempfile.TemporaryDirectory() as tmp:
         todo = []
-        for layout in layouts:
-            blocks = pallas_gpu.plan_blocks(args.vocab, None, layout)
+        for layout, tile, warp in itertools.product(layouts, tiles, warps):
+            blocks = pallas_gpu.plan_blocks(args.vocab, tile, layout)
+            blocks = dataclasses.replace(blocks, num_warps=warp or blocks.num_warps)
             for i, (name, text) in enumerate(triton_modules(args.rows, args.vocab,
-                                                            jnp.dtype(args.dtype), layout)):
-                path = Path(tmp) / f"{layout}_{i}_{name}.ttir"
+                                                            jnp.dtype(args.dtype), blocks)):
+                path = Path(tmp) / f"{layout}_bv{blocks.block_vocab}_{i}_{name}.ttir"
                 path.write_text(text)
-                todo.append((str(path), blocks.num_warps))
+                todo.append((str(path), blocks.num_warps, {
+                    "layout": layout, "rows": args.rows, "vocab": args.vocab,
+                    "dtype": args.dtype, "block_vocab": blocks.block_vocab}))
         r = subprocess.run([args.triton_python, "-c", _COMPILE, json.dumps(todo)],
                            capture_output=True, text=True)
         sys.stdout.write(r.stdout)

@@ -81,10 +81,13 @@ def test_the_h100_proof_json_validates():
     assert rebuilt["targets"] == report["targets"] and rebuilt["auto_impl"] == "pallas"
 
 
-def _layout_record(step_ms: dict[tuple[int, str], float]) -> dict:
+def _layout_record(step_ms: dict[tuple[int, str], float],
+                   kernel_ms: dict[tuple[int, str], float] | None = None) -> dict:
     rows = [{"n": n, "vocab": 151643, "layout": layout, "stats_ms": 0.1, "grad_ms": 0.2,
              "step_ms": ms, "step_bytes_per_s": 3 * n * 151643 * 2 / (ms * 1e-3)}
             for (n, layout), ms in step_ms.items()]
+    rows += [{"n": n, "vocab": 151643, "layout": layout, "stats_ms": ms / 2, "grad_ms": ms / 2}
+             for (n, layout), ms in (kernel_ms or {}).items()]
     return {"phase": "gpu_layouts", "rc": 0, "wall_s": 1.0, "argv": [], "rows": rows}
 
 
@@ -103,6 +106,30 @@ def test_report_picks_the_gpu_layout_only_where_it_won_everywhere():
     assert lost["figures"]["gpu_layout"] == "rows"
     assert lost["figures"]["layouts"]["N2048_V151643"]["rows"]["copy_fraction"] is None
     assert proof_report.build("real", [], 1.0)["figures"]["gpu_layout"] is None
+    # The aligned targets come from the same phase's steps: 1.9 ms of 4096 rows is short of 70%.
+    targets = {t["name"]: t for t in won["targets"]}
+    short = targets["pallas (gpu_layout='aligned') fraction of copy bandwidth, N4096_V151643"]
+    assert short["met"] is False and "points short" in short["note"]
+    assert won["figures"]["layouts"]["N4096_V151643"]["aligned"]["step_ms"] == 1.9
+
+
+def test_report_names_the_aligned_tiling_timed_at_every_shape():
+    """Least statistics + gradient time summed over the shapes (0.3 ms a shape for the
+    planner's tiling); a tiling missing at one shape does not count."""
+    steps = {(2048, "rows"): 1.3, (2048, "aligned"): 1.0, (4096, "rows"): 2.3,
+             (4096, "aligned"): 1.9}
+    tilings = {(2048, "aligned_4096x4"): 0.25, (4096, "aligned_4096x4"): 0.4,
+               (2048, "aligned_8192x8"): 0.2, (4096, "aligned_8192x8"): 0.35,
+               (2048, "aligned_16384x8"): 0.1}
+    report = proof_report.build("real", [_layout_record(steps, tilings)], 1.0)
+    proof_report.validate(report)
+    assert report["figures"]["aligned_tiling"] == "aligned_8192x8"
+    slow = {k: v + 1 for k, v in tilings.items()}
+    assert proof_report.build("real", [_layout_record(steps, slow)], 1.0)[
+        "figures"]["aligned_tiling"] == "aligned"
+    md = proof_report.to_markdown(report)
+    assert "| N2048_V151643 | aligned_8192x8 | 0.1 | 0.1 | - | - |" in md
+    assert "fastest tiling (statistics + gradient, summed over the shapes): aligned_8192x8" in md
 
 
 def test_validate_names_the_bad_key():
@@ -204,10 +231,15 @@ def test_dry_run_records_every_phase(tmp_path):
     assert set(fig["logits"]) == {"B1_T8", "B2_T5"}
     assert set(fig["layouts"]) == {"N16_V300", "N8_V256"}
     for t in fig["layouts"].values():
-        assert set(t) == {"rows", "aligned", "xla", "xla_copy"}
+        assert set(t) == {"rows", "aligned", "xla", "xla_copy", "aligned_256x4"}
         assert all(t[k]["step_ms"] > 0 and t[k]["copy_fraction"] > 0 for k in ("rows", "aligned"))
-        assert t["aligned"]["dlogits_max_rel_diff_to_rows"] <= 1e-2
+        assert t["aligned_256x4"]["stats_ms"] > 0 and t["aligned_256x4"]["step_ms"] is None
+        for k in ("aligned", "aligned_256x4"):
+            assert t[k]["dlogits_max_rel_diff_to_rows"] <= 1e-2
     assert fig["gpu_layout"] in ("rows", "aligned")
+    assert fig["aligned_tiling"] in ("aligned", "aligned_256x4")
+    aligned = [t for t in report["targets"] if "gpu_layout='aligned'" in t["name"]]
+    assert len(aligned) == 2 * 2 and all(t["met"] is not None for t in aligned)
     assert all(0 < r["copy_fraction"] for t in fig["logits"].values() for r in t.values())
     assert report["auto_impl"] in ("pallas", "xla")
     md = (tmp_path / "proof.md").read_text()

@@ -43,6 +43,8 @@ class Plan:
     layout_shapes: tuple[tuple[int, int], ...] = (
         (2048, 151643), (4096, 151643), (2048, 151936))
     layout_block_vocab: int | None = None
+    # The aligned layout's other tilings (block_vocab, num_warps); None: the script's list.
+    layout_tilings: tuple[tuple[int, int], ...] | None = None
     head: tuple[int, int, int, int] = (1, 8192, 4096, 151936)  # B, T, H, V
     family: tuple[int, int, int] = (2, 256, 32773)  # B, T, V: four full tiles and a tail
     copy_rows: int = 4096
@@ -59,6 +61,7 @@ SHORT = dataclasses.replace(REAL, name="short", gradcheck_impls=("pallas",),
 # Every phase at tiny shapes, on whatever backend is there (CI runs it on the CPU).
 DRY = Plan("dry", logits_shapes=((1, 8), (2, 5)), vocab=300,
            layout_shapes=((16, 300), (8, 256)), layout_block_vocab=128,
+           layout_tilings=((256, 4),),
            head=(1, 16, 32, 300), family=(2, 6, 300), copy_rows=16, iters=2, head_iters=2)
 PLANS = {p.name: p for p in (REAL, SHORT, DRY)}
 GROUPS = ("env", "logits", "lm_head", "liger")
@@ -122,7 +125,9 @@ def phases(groups: set[str], plan: Plan = REAL) -> list[tuple[str, list[str], in
         out.append(("gpu_layouts", _script(
             "gpu_layouts.py", "--shapes", ",".join(f"{n}x{v}" for n, v in plan.layout_shapes),
             "--iters", plan.iters, *(["--block-vocab", plan.layout_block_vocab]
-                                     if plan.layout_block_vocab else [])), 240))
+                                     if plan.layout_block_vocab else []),
+            *(["--tilings", ",".join(f"{bv}x{w}" for bv, w in plan.layout_tilings)]
+              if plan.layout_tilings is not None else [])), 240))
         for b, t in plan.logits_shapes:
             for impl in plan.memory_impls:
                 out.append((f"memory_{impl}_B{b}_T{t}",

@@ -11,7 +11,9 @@ every tile of every row loads and stores in 16-byte vectors whatever ``V`` is. W
 layout an odd ``V`` (151,643) puts rows at odd byte offsets and every load is a 2-byte scalar.
 Each row has ``F = (V - a + 1) // block_vocab`` full tiles; the ``h_r`` elements before them (the
 *head*) and the ``V - h_r - F block_vocab`` after them (the *tail*) go to one masked program per
-row, the *edge* call.
+row, the *edge* call. The tail starts on a boundary too, so the edge call moves its whole
+vectors in 16-byte vectors as well; only the head and the tail's last partial vector go
+element by element.
 
 **No column ids in the tiles.** A full tile never compares column ids with the chosen id:
 
@@ -24,7 +26,8 @@ row, the *edge* call.
 
 Compiled for sm_90 (Triton 3.6, at V = 151,643 bf16, 8192-column tiles, 4 warps) this takes the
 statistics kernel from 255 registers per thread (two programs per multiprocessor) to 80, and
-both kernels from 64 scalar loads per thread to 8 vector loads (docs/kernels.md). Whether that
+both kernels from 64 scalar loads per thread to 8 vector loads, the edge calls included
+(docs/kernels.md). Whether that
 is faster on the GPU is for ``make gpu-proof`` to measure; until then ``"rows"`` is the default.
 
 Flat offsets are int32, so ``N V`` must stay below ``2^31`` (checked).
@@ -97,16 +100,22 @@ def _stats_tile_kernel(x_ref, m_ref, s_ref, q_ref, *, block_vocab, scale, vocab,
 
 
 def _edge(x_ref, vocab: int, align: int, full: int, block_vocab: int, width: int, other):
-    """The row's head and tail as ``(start, values, columns, mask)`` pairs: the ``align``
-    elements from the row's start, valid below ``min(head, V)``, and ``width`` from the end of
-    its full tiles, valid up to the row's end. Masked entries read ``other``; columns count
-    from the row's start."""
+    """The row's elements outside its full tiles as ``(start, values, columns, mask)``
+    segments: the head (``align`` elements from the row's start, valid below ``min(head, V)``),
+    the tail's whole vectors (``width`` elements from the end of the full tiles) and the
+    tail's last partial vector (``align`` elements). The middle segment's mask changes only
+    at vector boundaries, so Triton loads and stores it in 16-byte vectors. Masked entries
+    read ``other``; columns count from the row's start."""
     base, head = _row(vocab, align)
     first = head + full * block_vocab
+    tail = vocab - first
+    # lax.div, not //: arith.divsi, whose product with align Triton knows is a multiple of it
+    body = jax.lax.div(tail, align) * align
     segments = []
     for start, size, count, offset in (
             (base, align, jnp.minimum(head, vocab), 0),
-            (pl.multiple_of(base + first, align), width, vocab - first, first)):
+            (pl.multiple_of(base + first, align), width, body, first),
+            (pl.multiple_of(base + first + body, align), align, tail - body, first + body)):
         idx = jnp.arange(size, dtype=jnp.int32)
         mask = idx < count
         x = plgpu.load(x_ref.at[pl.ds(start, size)], mask=mask, other=other)
@@ -116,10 +125,9 @@ def _edge(x_ref, vocab: int, align: int, full: int, block_vocab: int, width: int
 
 def _stats_edge_kernel(x_ref, m_ref, s_ref, q_ref, *, block_vocab, scale, vocab, align, full,
                        width):
-    (_, xh, _, _), (_, xt, _, _) = _edge(x_ref, vocab, align, full, block_vocab, width,
-                                         -jnp.inf)
-    m_ref[...], s_ref[...], q_ref[...] = merge_stats(_stats2(xh.astype(_F32) * scale),
-                                                     _stats2(xt.astype(_F32) * scale))
+    parts = [_stats2(x.astype(_F32) * scale)
+             for _, x, _, _ in _edge(x_ref, vocab, align, full, block_vocab, width, -jnp.inf)]
+    m_ref[...], s_ref[...], q_ref[...] = functools.reduce(merge_stats, parts)
 
 
 def _grad_tile_kernel(x_ref, lse_ref, a_ref, *rest, block_vocab, scale, vocab, align,
