@@ -9,7 +9,8 @@ plus the wheels of ``make proof-wheels``; ``make gpu-proof`` does both)::
 Each phase is a subprocess with a time limit: gradcheck and bench of the logits op (reference,
 xla, pallas), the GPU kernels' two layouts against each other, the family's gradcheck through
 pallas, device peak memory, copy bandwidth, the
-fused LM head (gradcheck, bench with its matmul floor, memory) and the Liger-Kernel peers. A
+fused LM head (gradcheck, bench with its matmul floor, memory), the Liger-Kernel peers, and
+last the aligned GPU layout's tiling sweep. A
 failing phase is recorded and the next one still runs. ``DIR/proof.log`` gets every phase's
 output; ``DIR/proof.json`` (rewritten after each phase, so a crash keeps what finished) the
 records, the machine, the derived figures and each target met or missed;
@@ -43,8 +44,10 @@ class Plan:
     layout_shapes: tuple[tuple[int, int], ...] = (
         (2048, 151643), (4096, 151643), (2048, 151936))
     layout_block_vocab: int | None = None
-    # The aligned layout's other tilings (block_vocab, num_warps); None: the script's list.
-    layout_tilings: tuple[tuple[int, int], ...] | None = None
+    # The aligned layout's tiling sweep (block_vocab, num_warps), at layout_shapes, last of
+    # all phases (the one to lose when time runs out). 4096 leaves a tail of under 100 columns
+    # at V = 151,643, where the planner's 8192 leaves about 4,200.
+    layout_tilings: tuple[tuple[int, int], ...] = ((4096, 4), (8192, 8), (16384, 8))
     head: tuple[int, int, int, int] = (1, 8192, 4096, 151936)  # B, T, H, V
     family: tuple[int, int, int] = (2, 256, 32773)  # B, T, V: four full tiles and a tail
     copy_rows: int = 4096
@@ -125,9 +128,7 @@ def phases(groups: set[str], plan: Plan = REAL) -> list[tuple[str, list[str], in
         out.append(("gpu_layouts", _script(
             "gpu_layouts.py", "--shapes", ",".join(f"{n}x{v}" for n, v in plan.layout_shapes),
             "--iters", plan.iters, *(["--block-vocab", plan.layout_block_vocab]
-                                     if plan.layout_block_vocab else []),
-            *(["--tilings", ",".join(f"{bv}x{w}" for bv, w in plan.layout_tilings)]
-              if plan.layout_tilings is not None else [])), 240))
+                                     if plan.layout_block_vocab else [])), 240))
         for b, t in plan.logits_shapes:
             for impl in plan.memory_impls:
                 out.append((f"memory_{impl}_B{b}_T{t}",
@@ -153,6 +154,11 @@ def phases(groups: set[str], plan: Plan = REAL) -> list[tuple[str, list[str], in
                         _script("liger_gpu_peer.py", "--op", "logits", *shape(b, t)), 180))
         out.append(("liger_lm_head", _script("liger_gpu_peer.py", "--op", "lm_head", *head,
                                              "--dtype", "bfloat16"), 240))
+    if "logits" in groups and plan.layout_tilings:
+        out.append(("gpu_tilings", _script(
+            "gpu_layouts.py", "--shapes", ",".join(f"{n}x{v}" for n, v in plan.layout_shapes),
+            "--iters", plan.iters,
+            "--tilings", ",".join(f"{bv}x{w}" for bv, w in plan.layout_tilings)), 180))
     return out
 
 

@@ -80,7 +80,7 @@ def figures(records: list[dict]) -> dict[str, Any]:
     copies = [row for rows in _rows(records, "copy_bandwidth").values() for row in rows]
     copy = max(copies, key=lambda r: r["bandwidth_bytes_per_s"]) if copies else None
     fig: dict[str, Any] = {"copy": copy, "logits": {}, "memory": {}, "lm_head": {},
-                           "gradcheck": {}, "liger": {}, "layouts": {}}
+                           "gradcheck": {}, "liger": {}, "layouts": {}, "tilings": {}}
     for phase, rows in _rows(records, "gradcheck").items():
         fig["gradcheck"][phase] = {"checks": len(rows),
                                    "passed": sum(bool(r.get("passed")) for r in rows),
@@ -117,7 +117,11 @@ def figures(records: list[dict]) -> dict[str, Any]:
                                        "dlogits_max_rel_diff_to_rows")},
             "copy_fraction": bw / copy["bandwidth_bytes_per_s"] if bw and copy else None}
     fig["gpu_layout"] = gpu_layout(fig["layouts"])
-    fig["aligned_tiling"] = aligned_tiling(fig["layouts"])
+    for row in _rows(records, "gpu_tilings").get("gpu_tilings", []):
+        fig["tilings"].setdefault(f"N{row['n']}_V{row['vocab']}", {})[row["layout"]] = {
+            k: row.get(k) for k in ("block_vocab", "num_warps", "stats_ms", "grad_ms",
+                                    "dlogits_max_rel_diff_to_planned")}
+    fig["aligned_tiling"] = aligned_tiling(fig["tilings"])
     for phase, rows in _rows(records, "liger").items():
         for row in rows:
             fig["liger"][phase[len("liger_"):]] = {
@@ -139,17 +143,14 @@ def gpu_layout(layouts: dict[str, Any]) -> str | None:
     return _winner(list(layouts.values()), "aligned", "rows", "step_ms")
 
 
-def aligned_tiling(layouts: dict[str, Any]) -> str | None:
+def aligned_tiling(tilings: dict[str, Any]) -> str | None:
     """The aligned layout's tiling (``"aligned"``: the planner's; ``"aligned_<tile>x<warps>"``:
-    the others the phase timed) whose statistics plus gradient kernel time, summed over the
-    shapes, is least; only tilings timed at every shape count. None when unmeasured."""
-    totals: dict[str, float] = {}
-    for name in set().union(*layouts.values()) if layouts else ():
-        if name.startswith("aligned") and all(
-                t.get(name, {}).get("stats_ms") is not None for t in layouts.values()):
-            totals[name] = sum(t[name]["stats_ms"] + t[name]["grad_ms"]
-                               for t in layouts.values())
-    return min(totals, key=totals.__getitem__) if totals else None
+    the sweep's others) whose statistics plus gradient kernel time, summed over the shapes,
+    is least; only tilings timed at every shape count. None when unmeasured."""
+    names = set.intersection(*(set(t) for t in tilings.values())) if tilings else set()
+    totals = {name: sum(t[name]["stats_ms"] + t[name]["grad_ms"] for t in tilings.values())
+              for name in names}
+    return min(sorted(totals), key=totals.__getitem__) if totals else None
 
 
 def _target(name: str, value: float | None, target: str, met: bool | None,
@@ -266,10 +267,16 @@ def to_markdown(report: dict[str, Any]) -> str:
                   f"{_fmt(v['step_ms'])} | {_fmt(v['copy_fraction'])} |"
                   for s, t in fig["layouts"].items() for k, v in t.items()]
         lines += ["", f"GPU layout this run supports as the default: {_fmt(fig['gpu_layout'])} "
-                  "(xla_copy's step is XLA's z + 1: the gradient kernel's bytes).",
-                  "", f"Aligned layout's fastest tiling (statistics + gradient, summed over "
-                  f"the shapes): {_fmt(fig['aligned_tiling'])} (aligned: pallas_gpu.plan_blocks's "
-                  "tiling; aligned_<tile>x<warps>: the others)."]
+                  "(xla_copy's step is XLA's z + 1: the gradient kernel's bytes)."]
+    if fig["tilings"]:
+        lines += ["", "| N x V | aligned tiling | tile | warps | statistics ms | gradient ms |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {s} | {k} | {v['block_vocab']} | {v['num_warps']} | "
+                  f"{_fmt(v['stats_ms'])} | {_fmt(v['grad_ms'])} |"
+                  for s, t in fig["tilings"].items() for k, v in t.items()]
+        lines += ["", f"Aligned layout's fastest tiling (statistics + gradient, summed over "
+                  f"the shapes): {_fmt(fig['aligned_tiling'])} (aligned: pallas_gpu.plan_blocks's"
+                  " tiling)."]
     if fig["memory"]:
         lines += ["", "| memory phase | peak bytes | peak / (logits + dlogits) |", "|---|---|---|"]
         lines += [f"| {k} | {_fmt(v['peak_bytes_in_use'])} | "

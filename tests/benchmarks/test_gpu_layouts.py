@@ -1,0 +1,30 @@
+"""benchmarks/gpu_layouts.py's arguments: bad ones are named, before any kernel runs."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import gpu_layouts  # noqa: E402
+
+
+def test_lists_parse():
+    assert gpu_layouts.shape_list("2048x151643,8x300") == [(2048, 151643), (8, 300)]
+    assert gpu_layouts.tiling_list("4096x4,16384x8") == [(4096, 4), (16384, 8)]
+    assert gpu_layouts.tiling_list("") == []
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--shapes", "2048"], "--shapes wants N x V pairs"),
+    (["--shapes", "0x300"], "--shapes wants N x V pairs"),
+    (["--tilings", "4000x4"], "--tilings wants vocabulary tile x warps pairs"),
+    (["--tilings", "4096x3"], "--tilings wants vocabulary tile x warps pairs"),
+    (["--tilings", "4096"], "--tilings wants vocabulary tile x warps pairs"),
+    (["--iters", "0"], "--iters and --rounds must be >= 1"),
+    (["--tilings", "256x4", "--block-vocab", "128"], "the tiling sweep takes --tilings only"),
+], ids=["no-x", "zero-rows", "tile-not-pow2", "odd-warps", "no-warps", "iters", "both"])
+def test_bad_arguments_name_the_flag(capsys, argv, match):
+    with pytest.raises(SystemExit) as e:
+        gpu_layouts.main(argv)
+    assert e.value.code == 2 and match in capsys.readouterr().err
