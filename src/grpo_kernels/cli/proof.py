@@ -8,10 +8,9 @@ plus the wheels of ``make proof-wheels``; ``make gpu-proof`` does both)::
 
 Each phase is a subprocess with a time limit: gradcheck and bench of the logits op (reference,
 xla, pallas), the GPU kernels' two layouts against each other, the family's gradcheck through
-pallas, device peak memory, copy bandwidth, the
-fused LM head (gradcheck, bench with its matmul floor, memory), the Liger-Kernel peers, and
-last the aligned GPU layout's tiling sweep. A
-failing phase is recorded and the next one still runs. ``DIR/proof.log`` gets every phase's
+pallas, device peak memory, copy bandwidth, the fused LM head (gradcheck, bench with its
+matmul floor, memory), the Liger-Kernel peers, and last the aligned GPU layout's tiling sweep.
+A failing phase is recorded and the next one still runs. ``DIR/proof.log`` gets every phase's
 output; ``DIR/proof.json`` (rewritten after each phase, so a crash keeps what finished) the
 records, the machine, the derived figures and each target met or missed;
 ``DIR/proof.md`` the tables for docs/benchmarks.md. The phases that are scripts live in the

@@ -27,8 +27,8 @@ element by element.
 Compiled for sm_90 (Triton 3.6, at V = 151,643 bf16, 8192-column tiles, 4 warps) this takes the
 statistics kernel from 255 registers per thread (two programs per multiprocessor) to 80, and
 both kernels from 64 scalar loads per thread to 8 vector loads, the edge calls included
-(docs/kernels.md). Whether that
-is faster on the GPU is for ``make gpu-proof`` to measure; until then ``"rows"`` is the default.
+(docs/kernels.md). Whether that is faster on the GPU is for ``make gpu-proof`` to measure;
+until then ``"rows"`` is the default.
 
 Flat offsets are int32, so ``N V`` must stay below ``2^31`` (checked).
 """
@@ -109,7 +109,8 @@ def _edge(x_ref, vocab: int, align: int, full: int, block_vocab: int, width: int
     base, head = _row(vocab, align)
     first = head + full * block_vocab
     tail = vocab - first
-    # lax.div, not //: arith.divsi, whose product with align Triton knows is a multiple of it
+    # A product with align, which Triton's alignment analysis knows is a multiple of it
+    # (lax.div: tail >= 0, so truncation is floor without //'s sign fix-ups).
     body = jax.lax.div(tail, align) * align
     segments = []
     for start, size, count, offset in (
