@@ -38,12 +38,18 @@ LAYOUTS = pallas_gpu.LAYOUTS
 SHAPES = "2048x151643,4096x151643,2048x151936"
 
 
+def _pairs(text: str) -> list[tuple[int, ...]] | None:
+    """``"AxB,CxD"`` -> ``[(A, B), (C, D)]`` (empty parts skipped); None when a number does
+    not parse. The callers check the pairs' lengths and values."""
+    try:
+        return [tuple(int(x) for x in part.split("x")) for part in text.split(",") if part]
+    except ValueError:
+        return None
+
+
 def shape_list(text: str) -> list[tuple[int, int]]:
     """``"NxV,NxV"`` -> ``[(N, V), ...]``."""
-    try:
-        out = [tuple(int(x) for x in part.split("x")) for part in text.split(",")]
-    except ValueError:
-        out = []
+    out = _pairs(text)
     if not out or any(len(s) != 2 or min(s) < 1 for s in out):
         raise argparse.ArgumentTypeError(f"--shapes wants N x V pairs like 2048x151643,"
                                          f"4096x151643, got {text!r}")
@@ -52,16 +58,18 @@ def shape_list(text: str) -> list[tuple[int, int]]:
 
 def tiling_list(text: str) -> list[tuple[int, int]]:
     """``"BVxW,BVxW"`` -> ``[(block_vocab, num_warps), ...]`` (empty text: none)."""
-    try:
-        out = [tuple(int(x) for x in part.split("x")) for part in text.split(",") if part]
-    except ValueError:
-        out = [()]
-    if any(len(t) != 2 or t[0] < 1 or t[0] & (t[0] - 1) or t[1] not in (1, 2, 4, 8, 16)
-           for t in out):
+    out = _pairs(text)
+    if out is None or any(len(t) != 2 or t[0] < 1 or t[0] & (t[0] - 1)
+                          or t[1] not in (1, 2, 4, 8, 16) for t in out):
         raise argparse.ArgumentTypeError(
             f"--tilings wants vocabulary tile x warps pairs (a power of two x 1, 2, 4, 8 or "
             f"16) like 4096x4,8192x8, got {text!r}")
     return out
+
+
+def _interpret() -> bool:
+    """Whether the kernels run interpreted: exactly on CPU, the library's rule."""
+    return bool(PallasOptions(kernel="gpu").resolved_interpret())
 
 
 def _rel(a, b) -> float:
@@ -92,7 +100,7 @@ def _times(fns: dict, args: dict, iters: int, rounds: int) -> dict:
 
 def _row(n: int, vocab: int, name: str, kernels: dict, times: dict, **extra) -> dict:
     row = {"n": n, "vocab": vocab, "layout": name, **extra, "backend": jax.default_backend(),
-           "interpret": bool(PallasOptions(kernel="gpu").resolved_interpret())}
+           "interpret": _interpret()}
     for what in kernels:
         row[f"{what}_ms"] = statistics.mean(times[(name, what)])
         row[f"{what}_ms_rounds"] = times[(name, what)]
@@ -110,7 +118,7 @@ def measure_tilings(n: int, vocab: int, tilings: list[tuple[int, int]], iters: i
                     rounds: int) -> list[dict]:
     """The tiling sweep's JSON rows of one shape."""
     _, _, z, ids, coef = _inputs(n, vocab)
-    interpret = bool(PallasOptions(kernel="gpu").resolved_interpret())
+    interpret = _interpret()
     blocks = {"aligned": pallas_gpu.plan_blocks(vocab, None, "aligned")}
     blocks.update({f"aligned_{bv}x{w}": pallas_gpu.GpuBlocks(bv, w, "aligned")
                    for bv, w in tilings})
@@ -126,7 +134,7 @@ def measure_tilings(n: int, vocab: int, tilings: list[tuple[int, int]], iters: i
 def measure(n: int, vocab: int, block_vocab: int | None, iters: int, rounds: int):
     """The layout A/B's JSON rows of one shape."""
     cfg, inp, z, ids, coef = _inputs(n, vocab)
-    interpret = bool(PallasOptions(kernel="gpu").resolved_interpret())  # exactly on CPU
+    interpret = _interpret()
     fns, outs = {}, {}
     for layout in LAYOUTS:
         blocks = pallas_gpu.plan_blocks(vocab, block_vocab, layout)

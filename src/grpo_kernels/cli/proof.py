@@ -112,6 +112,12 @@ def phases(groups: set[str], plan: Plan = REAL) -> list[tuple[str, list[str], in
     def shape(b: int, t: int, v: int = plan.vocab) -> list[object]:
         return ["--batch", b, "--time", t, "--vocab", v, "--dtype", "bfloat16"]
 
+    def layouts(*extra: object) -> list[str]:
+        """benchmarks/gpu_layouts.py at the plan's layout shapes."""
+        return _script("gpu_layouts.py", "--shapes",
+                       ",".join(f"{n}x{v}" for n, v in plan.layout_shapes),
+                       "--iters", plan.iters, *extra)
+
     if "logits" in groups:
         for b, t in plan.logits_shapes:
             for impl in plan.gradcheck_impls:
@@ -124,10 +130,8 @@ def phases(groups: set[str], plan: Plan = REAL) -> list[tuple[str, list[str], in
                  "--format", "json"]
         for b, t in plan.logits_shapes:
             out.append((f"bench_B{b}_T{t}", _cli(*bench, *shape(b, t)), 180))
-        out.append(("gpu_layouts", _script(
-            "gpu_layouts.py", "--shapes", ",".join(f"{n}x{v}" for n, v in plan.layout_shapes),
-            "--iters", plan.iters, *(["--block-vocab", plan.layout_block_vocab]
-                                     if plan.layout_block_vocab else [])), 240))
+        out.append(("gpu_layouts", layouts(*(["--block-vocab", plan.layout_block_vocab]
+                                             if plan.layout_block_vocab else [])), 240))
         for b, t in plan.logits_shapes:
             for impl in plan.memory_impls:
                 out.append((f"memory_{impl}_B{b}_T{t}",
@@ -154,9 +158,7 @@ def phases(groups: set[str], plan: Plan = REAL) -> list[tuple[str, list[str], in
         out.append(("liger_lm_head", _script("liger_gpu_peer.py", "--op", "lm_head", *head,
                                              "--dtype", "bfloat16"), 240))
     if "logits" in groups and plan.layout_tilings:
-        out.append(("gpu_tilings", _script(
-            "gpu_layouts.py", "--shapes", ",".join(f"{n}x{v}" for n, v in plan.layout_shapes),
-            "--iters", plan.iters,
+        out.append(("gpu_tilings", layouts(
             "--tilings", ",".join(f"{bv}x{w}" for bv, w in plan.layout_tilings)), 180))
     return out
 
