@@ -68,13 +68,15 @@ proof-wheels:
 
 # There, in the checkout (with .whl carried): the project without its dependencies, the
 # wheels into .whl/site, then every phase (under 8 minutes on an H100).
-# `make gpu-proof PROOF_OUT=$$OUT`.
+# `make gpu-proof PROOF_OUT=$$OUT`; `PROOF_ARGS="--plan layouts"` for the GPU kernel designs'
+# A/B and sweeps instead.
 PROOF_OUT ?= proof-out
+PROOF_ARGS ?=
 gpu-proof:
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation --no-index -e .
 	if ls .whl/*.whl >/dev/null 2>&1; then $(PYTHON) -m pip install --quiet --disable-pip-version-check \
 		--no-index --no-deps --no-compile --upgrade --target .whl/site .whl/*.whl; fi
-	PYTHONPATH="$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m grpo_kernels.cli.main proof --out $(PROOF_OUT)
+	PYTHONPATH="$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m grpo_kernels.cli.main proof --out $(PROOF_OUT) $(PROOF_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,18 +1,27 @@
-"""The GPU kernels' two layouts, ``rows`` and ``aligned``, timed in one process (a proof phase).
+"""The GPU kernels' layouts, ``rows`` and ``aligned``, and the one-pass GPU kernel, timed in
+one process (proof phases).
 
     python3 benchmarks/gpu_layouts.py                       # the issue's shapes, on a GPU
     python3 benchmarks/gpu_layouts.py --tilings 4096x4,8192x8,16384x8   # the tiling sweep
+    python3 benchmarks/gpu_layouts.py --one-pass-tilings 8192x8x132,16384x16x132  # one-pass's
     python3 benchmarks/gpu_layouts.py --shapes 16x300 --block-vocab 128 --iters 2   # a CPU smoke
 
 For each ``N x V`` (bf16 logits, the default loss with old and reference log-probs), and each
 layout (``PallasOptions(gpu_layout=...)``): the statistics kernels alone, the gradient kernels
-alone, and the whole ``value_and_grad`` step; then the ``xla`` step and XLA's ``z + 1`` (the
-gradient's bytes: one read, one write) as yardsticks. The aligned layout's loss and dlogits
-are compared with the rows layout's in the same run.
+alone, and the whole ``value_and_grad`` step; the one-pass kernel's step
+(``PallasOptions(one_pass=True)``, row ``one_pass``); then the ``xla`` step and XLA's ``z + 1``
+(the gradient's bytes: one read, one write) as yardsticks. The aligned layout's and the
+one-pass kernel's loss and dlogits are compared with the rows layout's in the same run.
+``step_bytes_per_s`` counts ``3 V b`` bytes per token for the two-kernel steps and ``2 V b``
+for the one-pass step (its HBM bytes when the second read hits L2).
 
 With ``--tilings`` (vocabulary tile x warps per program), the tiling sweep instead: the aligned
 layout's two kernels at ``pallas_gpu.plan_blocks``'s tiling (the row named ``aligned``) and at
 each given one (``aligned_<tile>x<warps>``), each one's dlogits compared with the planner's.
+With ``--one-pass-tilings`` (tile x warps x persistent programs), the one-pass kernel alone
+at ``pallas_gpu_one_pass.plan_blocks``'s tiling (row ``one_pass``) and at each given one
+(``one_pass_<tile>x<warps>x<programs>``), timed as ``kernel_ms``, dlogits against the
+planner's.
 
 Everything alternates over ``--rounds`` rounds and each figure is the mean of its rounds'
 medians. One JSON line per measurement; off a GPU the kernels are interpreted (numbers only,
@@ -31,7 +40,8 @@ import jax.numpy as jnp
 from timing import median_ms
 
 from grpo_kernels import GRPOLossConfig, PallasBlockSizes, PallasOptions, grpo_loss
-from grpo_kernels.ops.logits_loss import pallas_gpu
+from grpo_kernels.objective import token_row_grad
+from grpo_kernels.ops.logits_loss import pallas_gpu, pallas_gpu_one_pass
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
 
 LAYOUTS = pallas_gpu.LAYOUTS
@@ -59,12 +69,25 @@ def shape_list(text: str) -> list[tuple[int, int]]:
 def tiling_list(text: str) -> list[tuple[int, int]]:
     """``"BVxW,BVxW"`` -> ``[(block_vocab, num_warps), ...]`` (empty text: none)."""
     out = _pairs(text)
-    if out is None or any(len(t) != 2 or t[0] < 1 or t[0] & (t[0] - 1)
-                          or t[1] not in (1, 2, 4, 8, 16) for t in out):
+    if out is None or any(len(t) != 2 or not _tiling_ok(t) for t in out):
         raise argparse.ArgumentTypeError(
-            f"--tilings wants vocabulary tile x warps pairs (a power of two x 1, 2, 4, 8 or "
-            f"16) like 4096x4,8192x8, got {text!r}")
+            f"--tilings wants vocabulary tile x warps pairs (a power of two x 1, 2, 4, 8, 16 "
+            f"or 32) like 4096x4,8192x8, got {text!r}")
     return out
+
+
+def one_pass_list(text: str) -> list[tuple[int, int, int]]:
+    """``"BVxWxP,..."`` -> ``[(block_vocab, num_warps, programs), ...]`` (empty text: none)."""
+    out = _pairs(text)
+    if out is None or any(len(t) != 3 or not _tiling_ok(t) or t[2] < 1 for t in out):
+        raise argparse.ArgumentTypeError(
+            f"--one-pass-tilings wants tile x warps x programs triples (a power of two x 1, 2, "
+            f"4, 8, 16 or 32 x >= 1) like 8192x8x132,16384x16x132, got {text!r}")
+    return out
+
+
+def _tiling_ok(t: tuple[int, ...]) -> bool:
+    return t[0] >= 1 and not t[0] & (t[0] - 1) and t[1] in (1, 2, 4, 8, 16, 32)
 
 
 def _interpret() -> bool:
@@ -131,6 +154,39 @@ def measure_tilings(n: int, vocab: int, tilings: list[tuple[int, int]], iters: i
             for name, b in blocks.items()]
 
 
+def _one_pass_kernel(z, ids, blocks, interpret: bool):
+    """The one-pass kernel alone, jitted, on the default loss's columns for ``z``'s rows."""
+    cfg = GRPOLossConfig()
+    n = z.shape[0]
+    k = jax.random.split(jax.random.PRNGKey(2), 2)
+    cols = {"weights": jnp.full((n,), 1.0 / n), "mask": jnp.ones((n,)),
+            "advantages": jax.random.normal(k[0], (n,)),
+            "old_logp": -jnp.abs(jax.random.normal(k[1], (n,)))}
+    return jax.jit(lambda z: pallas_gpu_one_pass.one_pass(
+        z, ids, cols, lambda lp, c: token_row_grad(lp, c, cfg), 1.0, blocks,
+        interpret=interpret)[2])
+
+
+def measure_one_pass(n: int, vocab: int, tilings: list[tuple[int, int, int]], iters: int,
+                     rounds: int) -> list[dict]:
+    """The one-pass sweep's JSON rows of one shape."""
+    _, _, z, ids, _ = _inputs(n, vocab)
+    interpret = _interpret()
+    blocks = {"one_pass": pallas_gpu_one_pass.plan_blocks(n, vocab)}
+    blocks.update({f"one_pass_{bv}x{w}x{p}": pallas_gpu_one_pass.OnePassBlocks(bv, w, p)
+                   for bv, w, p in tilings})
+    fns = {name: {"kernel": _one_pass_kernel(z, ids, b, interpret)}
+           for name, b in blocks.items()}
+    times = _times(fns, {"kernel": (z,)}, iters, rounds)
+    planned = fns["one_pass"]["kernel"](z)
+    return [_row(n, vocab, name, fns[name], times, block_vocab=b.block_vocab,
+                 num_warps=b.num_warps, programs=b.programs,
+                 kernel_bytes_per_s=2 * z.size * z.dtype.itemsize / (
+                     statistics.mean(times[(name, "kernel")]) * 1e-3),
+                 dlogits_max_rel_diff_to_planned=_rel(fns[name]["kernel"](z), planned))
+            for name, b in blocks.items()]
+
+
 def measure(n: int, vocab: int, block_vocab: int | None, iters: int, rounds: int):
     """The layout A/B's JSON rows of one shape."""
     cfg, inp, z, ids, coef = _inputs(n, vocab)
@@ -145,20 +201,27 @@ def measure(n: int, vocab: int, block_vocab: int | None, iters: int, rounds: int
             **inp.kwargs())[0]))
         fns[layout] = {**_kernels(z, ids, coef, blocks, interpret), "step": step}
         outs[layout] = step(inp.logits)
+    one_pass = PallasOptions(kernel="gpu", one_pass=True,
+                             blocks=PallasBlockSizes(block_vocab=block_vocab))
+    fns["one_pass"] = {"step": jax.jit(jax.value_and_grad(lambda z: grpo_loss(
+        z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="pallas", options=one_pass,
+        **inp.kwargs())[0]))}
+    outs["one_pass"] = fns["one_pass"]["step"](inp.logits)
     fns["xla"] = {"step": jax.jit(jax.value_and_grad(lambda z: grpo_loss(
         z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="xla", **inp.kwargs())[0]))}
     fns["xla_copy"] = {"step": jax.jit(lambda z: z + jnp.asarray(1, z.dtype))}
     times = _times(fns, {"stats": (z,), "grad": (z,), "step": (inp.logits,)}, iters, rounds)
     nbytes = z.size * z.dtype.itemsize
-    (loss_r, dz_r), (loss_a, dz_a) = outs["rows"], outs["aligned"]
+    loss_r, dz_r = outs["rows"]
     rows = []
     for name, kernels in fns.items():
         row = _row(n, vocab, name, kernels, times, block_vocab=block_vocab)
-        if name in LAYOUTS or name == "xla":
-            row["step_bytes_per_s"] = 3 * nbytes / (row["step_ms"] * 1e-3)
-        if name == "aligned":
-            row["loss_rel_diff_to_rows"] = _rel(loss_a, loss_r)
-            row["dlogits_max_rel_diff_to_rows"] = _rel(dz_a, dz_r)
+        if name != "xla_copy":
+            moved = 2 if name == "one_pass" else 3
+            row["step_bytes_per_s"] = moved * nbytes / (row["step_ms"] * 1e-3)
+        if name in outs and name != "rows":
+            row["loss_rel_diff_to_rows"] = _rel(outs[name][0], loss_r)
+            row["dlogits_max_rel_diff_to_rows"] = _rel(outs[name][1], dz_r)
         rows.append(row)
     return rows
 
@@ -173,17 +236,28 @@ def main(argv: list[str] | None = None) -> int:
                    help="the tiling sweep instead of the layout A/B: the aligned layout's "
                    "kernels at these tilings (tile x warps, e.g. 4096x4,8192x8) and the "
                    "planner's")
+    p.add_argument("--one-pass-tilings", type=one_pass_list, default=[],
+                   help="the one-pass sweep instead of the layout A/B: the one-pass kernel at "
+                   "these tilings (tile x warps x persistent programs, e.g. 16384x16x132) and "
+                   "the planner's")
     p.add_argument("--iters", type=int, default=20, help="timed calls per median")
     p.add_argument("--rounds", type=int, default=2, help="rounds the layouts alternate over")
     args = p.parse_args(argv)
     if args.iters < 1 or args.rounds < 1:
         p.error(f"--iters and --rounds must be >= 1, got {args.iters} and {args.rounds}")
-    if args.tilings and args.block_vocab:
-        p.error("--block-vocab is the layout A/B's; the tiling sweep takes --tilings only")
+    if (args.tilings or args.one_pass_tilings) and args.block_vocab:
+        p.error("--block-vocab is the layout A/B's; the sweeps take --tilings or "
+                "--one-pass-tilings only")
+    if args.tilings and args.one_pass_tilings:
+        p.error("--tilings and --one-pass-tilings are two sweeps: give one")
     worst = 0.0
     for n, vocab in args.shapes:
-        rows = (measure_tilings(n, vocab, args.tilings, args.iters, args.rounds)
-                if args.tilings else measure(n, vocab, args.block_vocab, args.iters, args.rounds))
+        if args.tilings:
+            rows = measure_tilings(n, vocab, args.tilings, args.iters, args.rounds)
+        elif args.one_pass_tilings:
+            rows = measure_one_pass(n, vocab, args.one_pass_tilings, args.iters, args.rounds)
+        else:
+            rows = measure(n, vocab, args.block_vocab, args.iters, args.rounds)
         for row in rows:
             worst = max(worst, *(row.get(k, 0.0) for k in (
                 "dlogits_max_rel_diff_to_rows", "loss_rel_diff_to_rows",

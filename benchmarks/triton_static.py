@@ -4,6 +4,8 @@
     python3 benchmarks/triton_static.py --triton-python /tmp/tv/bin/python
     python3 benchmarks/triton_static.py --triton-python /tmp/tv/bin/python --layouts aligned \
         --block-vocab 4096,8192 --num-warps 4,8      # other tilings
+    python3 benchmarks/triton_static.py --triton-python /tmp/tv/bin/python --layouts one_pass \
+        --block-vocab 8192,16384,32768 --num-warps 8,16,32   # the one-pass kernel
 
 The CPU jaxlib lowers the Pallas GPU kernels to Triton IR; ``pallas_call(debug=True)`` prints
 it. This script lowers each layout's ``value_and_grad`` pieces (statistics and gradient, at
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import io
 import itertools
 import json
@@ -33,8 +36,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from grpo_kernels.ops.logits_loss import pallas_gpu
-from grpo_kernels.ops.logits_loss import pallas_gpu_aligned
+from grpo_kernels import GRPOLossConfig
+from grpo_kernels.objective import token_row_grad
+from grpo_kernels.ops.logits_loss import pallas_gpu, pallas_gpu_aligned, pallas_gpu_one_pass
+
+KINDS = (*pallas_gpu.LAYOUTS, "one_pass")
 
 _COMPILE = r"""
 import collections, json, os, re, subprocess, sys, triton
@@ -57,13 +63,24 @@ for path, warps, meta in json.loads(sys.argv[1]):
         "sass_instructions": len(ins),
         "loads": dict(collections.Counter(re.findall(r"ld\.global[.\w]*", ptx))),
         "stores": dict(collections.Counter(re.findall(r"st\.global[.\w]*", ptx))),
-        "ex2": ptx.count("ex2.approx"), "barriers": sum("BAR" in l for l in ins)}), flush=True)
+        "ex2": ptx.count("ex2.approx"), "cp_async": ptx.count("cp.async."),
+        "barriers": sum("BAR" in l for l in ins)}), flush=True)
 """
 
 
-def triton_modules(n: int, vocab: int, dtype, blocks: pallas_gpu.GpuBlocks
-                   ) -> list[tuple[str, str]]:
-    """``(kernel name, Triton IR text without locations)`` of one tiling's kernels."""
+def _one_pass(z, ids, lse, coef, blocks):
+    """The one-pass kernel on the default loss with old and reference log-probs (``lse`` and
+    ``coef`` stand in for its float32 columns)."""
+    cfg = GRPOLossConfig(beta=0.04)
+    cols = {"weights": coef, "advantages": coef, "old_logp": lse, "ref_logp": lse,
+            "mask": coef}
+    return pallas_gpu_one_pass.one_pass(z, ids, cols,
+                                        lambda lp, c: token_row_grad(lp, c, cfg), 1.0, blocks)
+
+
+def triton_modules(n: int, vocab: int, dtype, blocks) -> list[tuple[str, str]]:
+    """``(kernel name, Triton IR text without locations)`` of one tiling's kernels
+    (``blocks``: a ``GpuBlocks``, or a ``OnePassBlocks`` for the one-pass kernel)."""
     real = pl.pallas_call
 
     def debug_call(*args, **kw):
@@ -72,16 +89,18 @@ def triton_modules(n: int, vocab: int, dtype, blocks: pallas_gpu.GpuBlocks
     spec = jax.ShapeDtypeStruct
     z, ids, row = spec((n, vocab), dtype), spec((n,), jnp.int32), spec((n,), jnp.float32)
     out = io.StringIO()
-    mods = (pallas_gpu.pl, pallas_gpu_aligned.pl)
+    mods = (pallas_gpu.pl, pallas_gpu_aligned.pl, pallas_gpu_one_pass.pl)
+    one_pass = isinstance(blocks, pallas_gpu_one_pass.OnePassBlocks)
     try:
         for m in mods:
             m.pallas_call = debug_call
         with contextlib.redirect_stdout(out):
-            jax.jit(lambda z, i: pallas_gpu.row_statistics(z, i, 1.0, blocks)).trace(
-                z, ids).lower(lowering_platforms=("cuda",))
-            jax.jit(lambda z, i, lse, c: pallas_gpu.logits_gradient(
-                z, i, lse, c, 1.0, blocks)).trace(z, ids, row, row).lower(
-                lowering_platforms=("cuda",))
+            if not one_pass:
+                jax.jit(lambda z, i: pallas_gpu.row_statistics(z, i, 1.0, blocks)).trace(
+                    z, ids).lower(lowering_platforms=("cuda",))
+            grad = (functools.partial(_one_pass, blocks=blocks) if one_pass else
+                    lambda z, i, lse, c: pallas_gpu.logits_gradient(z, i, lse, c, 1.0, blocks))
+            jax.jit(grad).trace(z, ids, row, row).lower(lowering_platforms=("cuda",))
     finally:
         for m in mods:
             m.pallas_call = real
@@ -103,14 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=151643)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--layouts", default=",".join(pallas_gpu.LAYOUTS),
-                   help=f"comma list of {pallas_gpu.LAYOUTS}")
+                   help=f"comma list of {KINDS} (one_pass: the one-pass kernel)")
     p.add_argument("--block-vocab", default="",
                    help="comma list of vocabulary tiles (default: plan_blocks's)")
     p.add_argument("--num-warps", default="", help="comma list (default: plan_blocks's)")
     args = p.parse_args(argv)
     layouts = args.layouts.split(",")
-    if not set(layouts) <= set(pallas_gpu.LAYOUTS):
-        p.error(f"--layouts must be a comma list of {pallas_gpu.LAYOUTS}, got {args.layouts!r}")
+    if not set(layouts) <= set(KINDS):
+        p.error(f"--layouts must be a comma list of {KINDS}, got {args.layouts!r}")
     try:
         tiles = [int(x) for x in args.block_vocab.split(",") if x] or [None]
         warps = [int(x) for x in args.num_warps.split(",") if x] or [None]
@@ -120,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         todo = []
         for layout, tile, warp in itertools.product(layouts, tiles, warps):
-            blocks = pallas_gpu.plan_blocks(args.vocab, tile, layout)
+            blocks = (pallas_gpu_one_pass.plan_blocks(args.rows, args.vocab, tile)
+                      if layout == "one_pass" else pallas_gpu.plan_blocks(args.vocab, tile,
+                                                                          layout))
             blocks = dataclasses.replace(blocks, num_warps=warp or blocks.num_warps)
             for i, (name, text) in enumerate(triton_modules(args.rows, args.vocab,
                                                             jnp.dtype(args.dtype), blocks)):

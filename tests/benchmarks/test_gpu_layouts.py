@@ -13,6 +13,8 @@ def test_lists_parse():
     assert gpu_layouts.shape_list("2048x151643,8x300") == [(2048, 151643), (8, 300)]
     assert gpu_layouts.tiling_list("4096x4,16384x8") == [(4096, 4), (16384, 8)]
     assert gpu_layouts.tiling_list("") == []
+    assert gpu_layouts.one_pass_list("16384x16x132,8192x8x264") == [(16384, 16, 132),
+                                                                  (8192, 8, 264)]
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -22,8 +24,15 @@ def test_lists_parse():
     (["--tilings", "4096x3"], "--tilings wants vocabulary tile x warps pairs"),
     (["--tilings", "4096"], "--tilings wants vocabulary tile x warps pairs"),
     (["--iters", "0"], "--iters and --rounds must be >= 1"),
-    (["--tilings", "256x4", "--block-vocab", "128"], "the tiling sweep takes --tilings only"),
-], ids=["no-x", "zero-rows", "tile-not-pow2", "odd-warps", "no-warps", "iters", "both"])
+    (["--tilings", "256x4", "--block-vocab", "128"], "the sweeps take --tilings or"),
+    (["--one-pass-tilings", "8192x8"], "--one-pass-tilings wants tile x warps x programs"),
+    (["--one-pass-tilings", "8192x64x132"], "--one-pass-tilings wants tile x warps x programs"),
+    (["--one-pass-tilings", "8192x8x0"], "--one-pass-tilings wants tile x warps x programs"),
+    (["--one-pass-tilings", "256x4x3", "--block-vocab", "128"], "the sweeps take --tilings or"),
+    (["--one-pass-tilings", "256x4x3", "--tilings", "256x4"], "two sweeps: give one"),
+], ids=["no-x", "zero-rows", "tile-not-pow2", "odd-warps", "no-warps", "iters", "both",
+        "one-pass-pair", "one-pass-warps", "one-pass-programs", "one-pass-block-vocab",
+        "two-sweeps"])
 def test_bad_arguments_name_the_flag(capsys, argv, match):
     with pytest.raises(SystemExit) as e:
         gpu_layouts.main(argv)

@@ -29,6 +29,22 @@ def _names(plan):
     return [n for n, _, _ in proof.phases(ALL, plan)]
 
 
+def test_plans_pick_their_groups():
+    """The issue's proof leaves the layouts group to its own plan (with it the proof would
+    not fit in 8 minutes); the dry run runs every group."""
+    def names(plan):
+        return [n for n, _, _ in proof.phases(set(plan.groups), plan)]
+    assert not any(n.startswith("gpu_") for n in names(proof.REAL) + names(proof.SHORT))
+    assert [n for n in names(proof.LAYOUTS) if n.startswith("gpu_")] == [
+        "gpu_layouts", "gpu_one_pass", "gpu_tilings"]
+    assert set(names(proof.LAYOUTS)) == {"nvidia-smi", "versions", "copy_bandwidth",
+                                         "gpu_layouts", "gpu_one_pass", "gpu_tilings"}
+    assert set(proof.DRY.groups) == set(proof.GROUPS)
+    argv = dict((n, a) for n, a, _ in proof.phases({"layouts"}, proof.LAYOUTS))["gpu_one_pass"]
+    assert argv[argv.index("--one-pass-tilings") + 1] == (
+        "8192x8x132,8192x8x264,16384x32x132,32768x32x132")
+
+
 def test_every_plan_runs_the_same_phases():
     strip = lambda names: [n.split("_B")[0] for n in names]  # noqa: E731
     assert strip(_names(proof.REAL)) == strip(_names(proof.DRY))
@@ -73,10 +89,11 @@ def test_the_h100_proof_json_validates():
     report = json.loads((RESULTS / "gpu_proof4_h100_2026-11-23.json").read_text())
     proof_report.validate(report)
     assert report["plan"] == "real" and report["all_phases_ok"]
-    # That run predates the gpu_layouts phase, which replaced its aligned-vocabulary bench, and
-    # the gpu_tilings phase.
-    then = [n if n != "gpu_layouts" else "bench_B1_T2048_V151936" for n in _names(proof.REAL)
-            if n != "gpu_tilings"]
+    # That run had one more bench, at the aligned vocabulary, where the layouts group (a plan
+    # of its own since) now times the layouts.
+    now = [n for n, _, _ in proof.phases(set(proof.REAL.groups), proof.REAL)]
+    at = now.index("bench_B4_T1024") + 1
+    then = now[:at] + ["bench_B1_T2048_V151936"] + now[at:]
     assert [r["phase"] for r in report["phases"]] == then
     assert report["machine"]["backend"] == "gpu"
     rebuilt = proof_report.build(report["plan"], report["phases"], report["wall_s"])
@@ -110,6 +127,53 @@ def test_report_picks_the_gpu_layout_only_where_it_won_everywhere():
     short = targets["pallas (gpu_layout='aligned') fraction of copy bandwidth, N4096_V151643"]
     assert short["met"] is False and "points short" in short["note"]
     assert won["figures"]["layouts"]["N4096_V151643"]["aligned"]["step_ms"] == 1.9
+
+
+def test_report_supports_the_one_pass_kernel_only_where_it_beat_both_layouts():
+    copy_rec = {"phase": "copy_bandwidth", "rc": 0, "wall_s": 1.0, "argv": [],
+                "rows": [{"bandwidth_bytes_per_s": 3e12}]}
+    steps = {(2048, "rows"): 1.3, (2048, "aligned"): 1.0, (2048, "one_pass"): 0.55,
+             (4096, "rows"): 2.3, (4096, "aligned"): 1.9, (4096, "one_pass"): 1.2}
+    rec = _layout_record(steps)
+    for row in rec["rows"]:  # the one-pass step moves 2 V b bytes per token
+        if row["layout"] == "one_pass":
+            row["step_bytes_per_s"] *= 2 / 3
+    won = proof_report.build("real", [copy_rec, rec], 1.0)
+    proof_report.validate(won)
+    assert won["figures"]["gpu_one_pass"] == "one_pass"
+    targets = {t["name"]: t for t in won["targets"]}
+    frac = targets["pallas (one_pass=True) fraction of copy bandwidth, N2048_V151643"]
+    assert frac["value"] == pytest.approx(2 * 2048 * 151643 * 2 / 0.55e-3 / 3e12)
+    assert frac["met"] is True
+    assert "GPU one_pass=None this run supports: one_pass." in proof_report.to_markdown(won)
+    # Beating the rows layout is not enough: it must beat the faster of the two.
+    lost = proof_report.build("real", [_layout_record({**steps, (4096, "one_pass"): 2.0})], 1.0)
+    assert lost["figures"]["gpu_one_pass"] == "two kernels"
+    assert proof_report.build("real", [_layout_record(
+        {k: v for k, v in steps.items() if k[1] != "one_pass"})], 1.0)[
+        "figures"]["gpu_one_pass"] is None
+
+
+def test_report_names_the_one_pass_tiling_timed_at_every_shape():
+    rows = [{"n": n, "vocab": 151643, "layout": name, "block_vocab": 8192, "num_warps": 8,
+             "programs": 132, "kernel_ms": ms, "kernel_bytes_per_s": 1e12,
+             "dlogits_max_rel_diff_to_planned": 0.0}
+            for (n, name), ms in {(2048, "one_pass"): 0.5, (4096, "one_pass"): 1.0,
+                                  (2048, "one_pass_8192x8x264"): 0.4,
+                                  (4096, "one_pass_8192x8x264"): 0.9,
+                                  (2048, "one_pass_32768x32x132"): 0.1}.items()]
+    copy_rec = {"phase": "copy_bandwidth", "rc": 0, "wall_s": 1.0, "argv": [],
+                "rows": [{"bandwidth_bytes_per_s": 2e12}]}
+    report = proof_report.build("real", [copy_rec, {"phase": "gpu_one_pass", "rc": 0,
+                                                    "wall_s": 1.0, "argv": [], "rows": rows}],
+                                1.0)
+    proof_report.validate(report)
+    fig = report["figures"]
+    assert fig["one_pass_tiling"] == "one_pass_8192x8x264"
+    assert fig["one_pass_tilings"]["N2048_V151643"]["one_pass"]["copy_fraction"] == 0.5
+    md = proof_report.to_markdown(report)
+    assert "| N2048_V151643 | one_pass_8192x8x264 | 8192 | 8 | 132 | 0.4 | 0.5 |" in md
+    assert "One-pass kernel's fastest tiling (summed over the shapes): one_pass_8192x8x264" in md
 
 
 def _tiling_record(kernel_ms: dict[tuple[int, str], float]) -> dict:
@@ -157,6 +221,7 @@ def test_validate_names_the_bad_key():
 
 @pytest.mark.parametrize("argv,match", [
     (["--groups", "env,gpu"], "--groups must be a comma-separated subset"),
+    (["--groups", ""], "--groups must be a comma-separated subset"),
     (["--budget-s", "0"], "--budget-s must be > 0"),
 ])
 def test_bad_arguments_name_the_flag(tmp_path, capsys, argv, match):
@@ -236,13 +301,23 @@ def test_dry_run_records_every_phase(tmp_path):
     assert fig["copy"]["bandwidth_bytes_per_s"] > 0
     assert set(fig["logits"]) == {"B1_T8", "B2_T5"}
     assert set(fig["layouts"]) == {"N16_V300", "N8_V256"}
+    designs = ("rows", "aligned", "one_pass")
     for t in fig["layouts"].values():
-        assert set(t) == {"rows", "aligned", "xla", "xla_copy"}
-        assert all(t[k]["step_ms"] > 0 and t[k]["copy_fraction"] > 0 for k in ("rows", "aligned"))
-        assert t["aligned"]["dlogits_max_rel_diff_to_rows"] <= 1e-2
+        assert set(t) == {*designs, "xla", "xla_copy"}
+        assert all(t[k]["step_ms"] > 0 and t[k]["copy_fraction"] > 0 for k in designs)
+        assert all(t[k]["dlogits_max_rel_diff_to_rows"] <= 1e-2 for k in designs[1:])
     assert fig["gpu_layout"] in ("rows", "aligned")
-    aligned = [t for t in report["targets"] if "gpu_layout='aligned'" in t["name"]]
-    assert len(aligned) == 2 * 2 and all(t["met"] is not None for t in aligned)
+    assert fig["gpu_one_pass"] in ("one_pass", "two kernels")
+    for label in ("gpu_layout='aligned'", "one_pass=True"):
+        found = [t for t in report["targets"] if label in t["name"]]
+        assert len(found) == 2 * 2 and all(t["met"] is not None for t in found)
+    assert set(fig["one_pass_tilings"]) == set(fig["layouts"])
+    for t in fig["one_pass_tilings"].values():
+        assert set(t) == {"one_pass", "one_pass_128x4x3"} and t["one_pass_128x4x3"][
+            "programs"] == 3
+        assert all(v["kernel_ms"] > 0 and v["dlogits_max_rel_diff_to_planned"] <= 1e-2
+                   for v in t.values())
+    assert fig["one_pass_tiling"] in ("one_pass", "one_pass_128x4x3")
     assert set(fig["tilings"]) == set(fig["layouts"])
     for t in fig["tilings"].values():
         assert set(t) == {"aligned", "aligned_256x4"} and t["aligned_256x4"]["num_warps"] == 4

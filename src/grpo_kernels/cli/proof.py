@@ -4,12 +4,15 @@ On a GPU host (the project installed with ``pip install --no-deps -e .`` in a so
 plus the wheels of ``make proof-wheels``; ``make gpu-proof`` does both)::
 
     grpo-kernels proof --out DIR              # the issues' shapes, under 8 minutes on an H100
+    grpo-kernels proof --out DIR --plan layouts   # the GPU kernel designs' A/B and sweeps
     grpo-kernels proof --out DIR --dry-run    # every phase at tiny shapes, on any backend
 
-Each phase is a subprocess with a time limit: gradcheck and bench of the logits op (reference,
-xla, pallas), the GPU kernels' two layouts against each other, the family's gradcheck through
-pallas, device peak memory, copy bandwidth, the fused LM head (gradcheck, bench with its
-matmul floor, memory), the Liger-Kernel peers, and last the aligned GPU layout's tiling sweep.
+Each phase is a subprocess with a time limit: copy bandwidth, gradcheck and bench of the
+logits op (reference, xla, pallas), the family's gradcheck through pallas, device peak memory,
+the fused LM head (gradcheck, bench with its matmul floor, memory) and the Liger-Kernel peers.
+The ``layouts`` group (its own plan, since with it the whole proof would not fit in 8 minutes)
+times the GPU kernel designs against each other: the two layouts and the one-pass kernel, the
+one-pass kernel's tiling sweep and the aligned layout's.
 A failing phase is recorded and the next one still runs. ``DIR/proof.log`` gets every phase's
 output; ``DIR/proof.json`` (rewritten after each phase, so a crash keeps what finished) the
 records, the machine, the derived figures and each target met or missed;
@@ -47,6 +50,11 @@ class Plan:
     # all phases (the one to lose when time runs out). 4096 leaves a tail of under 100 columns
     # at V = 151,643, where the planner's 8192 leaves about 4,200.
     layout_tilings: tuple[tuple[int, int], ...] = ((4096, 4), (8192, 8), (16384, 8))
+    # The one-pass GPU kernel's sweep (block_vocab, num_warps, persistent programs); 132 is an
+    # H100 SXM's multiprocessors: one program each, or two at 8192 x 8 (128 registers).
+    one_pass_tilings: tuple[tuple[int, int, int], ...] = (
+        (8192, 8, 132), (8192, 8, 264), (16384, 32, 132), (32768, 32, 132))
+    groups: tuple[str, ...] = ("env", "logits", "lm_head", "liger")
     head: tuple[int, int, int, int] = (1, 8192, 4096, 151936)  # B, T, H, V
     family: tuple[int, int, int] = (2, 256, 32773)  # B, T, V: four full tiles and a tail
     copy_rows: int = 4096
@@ -56,17 +64,20 @@ class Plan:
     head_iters: int = 10
 
 
+GROUPS = ("env", "layouts", "logits", "lm_head", "liger")
 REAL = Plan("real")
 # A rerun that skips what an earlier run of the same code measured (xla gradcheck, reference memory).
 SHORT = dataclasses.replace(REAL, name="short", gradcheck_impls=("pallas",),
                             memory_impls=("pallas", "xla"))
+# The GPU kernel designs against each other, and the sweeps (about 4 minutes on an H100).
+LAYOUTS = dataclasses.replace(REAL, name="layouts", groups=("env", "layouts"))
 # Every phase at tiny shapes, on whatever backend is there (CI runs it on the CPU).
 DRY = Plan("dry", logits_shapes=((1, 8), (2, 5)), vocab=300,
            layout_shapes=((16, 300), (8, 256)), layout_block_vocab=128,
-           layout_tilings=((256, 4),),
-           head=(1, 16, 32, 300), family=(2, 6, 300), copy_rows=16, iters=2, head_iters=2)
-PLANS = {p.name: p for p in (REAL, SHORT, DRY)}
-GROUPS = ("env", "logits", "lm_head", "liger")
+           layout_tilings=((256, 4),), one_pass_tilings=((128, 4, 3),),
+           head=(1, 16, 32, 300), family=(2, 6, 300), copy_rows=16, iters=2, head_iters=2,
+           groups=GROUPS)
+PLANS = {p.name: p for p in (REAL, SHORT, LAYOUTS, DRY)}
 
 
 def benchmarks_dir() -> Path:
@@ -118,6 +129,15 @@ def phases(groups: set[str], plan: Plan = REAL) -> list[tuple[str, list[str], in
                        ",".join(f"{n}x{v}" for n, v in plan.layout_shapes),
                        "--iters", plan.iters, *extra)
 
+    if "layouts" in groups:
+        out.append(("gpu_layouts", layouts(*(["--block-vocab", plan.layout_block_vocab]
+                                             if plan.layout_block_vocab else [])), 240))
+        if plan.one_pass_tilings:
+            out.append(("gpu_one_pass", layouts("--one-pass-tilings", ",".join(
+                f"{bv}x{w}x{p}" for bv, w, p in plan.one_pass_tilings)), 180))
+        if plan.layout_tilings:
+            out.append(("gpu_tilings", layouts(
+                "--tilings", ",".join(f"{bv}x{w}" for bv, w in plan.layout_tilings)), 180))
     if "logits" in groups:
         for b, t in plan.logits_shapes:
             for impl in plan.gradcheck_impls:
@@ -130,8 +150,6 @@ def phases(groups: set[str], plan: Plan = REAL) -> list[tuple[str, list[str], in
                  "--format", "json"]
         for b, t in plan.logits_shapes:
             out.append((f"bench_B{b}_T{t}", _cli(*bench, *shape(b, t)), 180))
-        out.append(("gpu_layouts", layouts(*(["--block-vocab", plan.layout_block_vocab]
-                                             if plan.layout_block_vocab else [])), 240))
         for b, t in plan.logits_shapes:
             for impl in plan.memory_impls:
                 out.append((f"memory_{impl}_B{b}_T{t}",
@@ -157,9 +175,6 @@ def phases(groups: set[str], plan: Plan = REAL) -> list[tuple[str, list[str], in
                         _script("liger_gpu_peer.py", "--op", "logits", *shape(b, t)), 180))
         out.append(("liger_lm_head", _script("liger_gpu_peer.py", "--op", "lm_head", *head,
                                              "--dtype", "bfloat16"), 240))
-    if "logits" in groups and plan.layout_tilings:
-        out.append(("gpu_tilings", layouts(
-            "--tilings", ",".join(f"{bv}x{w}" for bv, w in plan.layout_tilings)), 180))
     return out
 
 
@@ -192,7 +207,7 @@ def run_phase(name: str, cmd: list[str], limit: float, env: dict[str, str]) -> d
 
 def run(args: argparse.Namespace) -> int:
     plan = DRY if args.dry_run else PLANS[args.plan]
-    groups = set(args.groups.split(","))
+    groups = set(plan.groups if args.groups is None else args.groups.split(","))
     if not groups <= set(GROUPS):
         raise ValueError(f"--groups must be a comma-separated subset of {','.join(GROUPS)}, "
                          f"got {args.groups!r}")
@@ -244,9 +259,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "interpreted off GPU/TPU); same files")
     p.add_argument("--plan", choices=sorted(PLANS), default="real",
                    help="real: the issues' shapes; short: real without what an earlier run of "
-                   "the same code measured (xla gradcheck, reference memory); dry: = --dry-run")
-    p.add_argument("--groups", default=",".join(GROUPS),
-                   help=f"comma-separated subset of {','.join(GROUPS)}")
+                   "the same code measured (xla gradcheck, reference memory); layouts: the "
+                   "GPU kernel designs' A/B and sweeps; dry: = --dry-run")
+    p.add_argument("--groups", default=None,
+                   help=f"comma-separated subset of {','.join(GROUPS)} (default: the plan's; "
+                   f"real and short: {','.join(REAL.groups)}; dry: all)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="phases that would start after this many seconds are skipped "
                    "(recorded as such)")

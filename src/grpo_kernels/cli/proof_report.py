@@ -1,9 +1,10 @@
 r"""What ``grpo-kernels proof`` derives from its phases: figures, targets, proof.json, proof.md.
 
 Bandwidth: a logits-level step must read the logits twice and write the dlogits once,
-``3 V b`` bytes per token (``b`` bytes per element); the one-pass TPU kernel reads them once,
-``2 V b``. An implementation's fraction is ``bytes / median time`` over the highest copy
-bandwidth the ``copy_bandwidth`` phase measured (bytes read + written of an ``[N, V]`` copy).
+``3 V b`` bytes per token (``b`` bytes per element); the one-pass kernels read them once from
+HBM, ``2 V b`` (the GPU one's second read is meant to hit L2). An implementation's fraction is
+``bytes / median time`` over the highest copy bandwidth the ``copy_bandwidth`` phase measured
+(bytes read + written of an ``[N, V]`` copy).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def figures(records: list[dict]) -> dict[str, Any]:
     copies = [row for rows in _rows(records, "copy_bandwidth").values() for row in rows]
     copy = max(copies, key=lambda r: r["bandwidth_bytes_per_s"]) if copies else None
     fig: dict[str, Any] = {"copy": copy, "logits": {}, "memory": {}, "lm_head": {},
-                           "gradcheck": {}, "liger": {}, "layouts": {}, "tilings": {}}
+                           "gradcheck": {}, "liger": {}, "layouts": {}, "tilings": {},
+                           "one_pass_tilings": {}}
     for phase, rows in _rows(records, "gradcheck").items():
         fig["gradcheck"][phase] = {"checks": len(rows),
                                    "passed": sum(bool(r.get("passed")) for r in rows),
@@ -117,11 +119,20 @@ def figures(records: list[dict]) -> dict[str, Any]:
                                        "dlogits_max_rel_diff_to_rows")},
             "copy_fraction": bw / copy["bandwidth_bytes_per_s"] if bw and copy else None}
     fig["gpu_layout"] = gpu_layout(fig["layouts"])
+    fig["gpu_one_pass"] = gpu_one_pass(fig["layouts"])
     for row in _rows(records, "gpu_tilings").get("gpu_tilings", []):
         fig["tilings"].setdefault(f"N{row['n']}_V{row['vocab']}", {})[row["layout"]] = {
             k: row.get(k) for k in ("block_vocab", "num_warps", "stats_ms", "grad_ms",
                                     "dlogits_max_rel_diff_to_planned")}
-    fig["aligned_tiling"] = aligned_tiling(fig["tilings"])
+    fig["aligned_tiling"] = fastest(fig["tilings"], ("stats_ms", "grad_ms"))
+    for row in _rows(records, "gpu_one_pass").get("gpu_one_pass", []):
+        bw = row.get("kernel_bytes_per_s")
+        fig["one_pass_tilings"].setdefault(f"N{row['n']}_V{row['vocab']}", {})[
+            row["layout"]] = {
+            **{k: row.get(k) for k in ("block_vocab", "num_warps", "programs", "kernel_ms",
+                                       "dlogits_max_rel_diff_to_planned")},
+            "copy_fraction": bw / copy["bandwidth_bytes_per_s"] if bw and copy else None}
+    fig["one_pass_tiling"] = fastest(fig["one_pass_tilings"], ("kernel_ms",))
     for phase, rows in _rows(records, "liger").items():
         for row in rows:
             fig["liger"][phase[len("liger_"):]] = {
@@ -143,13 +154,24 @@ def gpu_layout(layouts: dict[str, Any]) -> str | None:
     return _winner(list(layouts.values()), "aligned", "rows", "step_ms")
 
 
-def aligned_tiling(tilings: dict[str, Any]) -> str | None:
-    """The aligned layout's tiling (``"aligned"``: the planner's; ``"aligned_<tile>x<warps>"``:
-    the sweep's others) whose statistics plus gradient kernel time, summed over the shapes,
-    is least; only tilings timed at every shape count. None when unmeasured."""
+def gpu_one_pass(layouts: dict[str, Any]) -> str | None:
+    """What the gpu_layouts phase supports for ``PallasOptions.one_pass=None`` on GPU:
+    "one_pass" when the one-pass step beat both two-kernel layouts' at every shape,
+    "two kernels" when it lost at one, None when unmeasured."""
+    tables = [{"one_pass": t["one_pass"],
+               "two kernels": min((t[k] for k in ("rows", "aligned") if k in t),
+                                  key=lambda v: v["step_ms"])}
+              for t in layouts.values()
+              if "one_pass" in t and ("rows" in t or "aligned" in t)]
+    return _winner(tables, "one_pass", "two kernels", "step_ms")
+
+
+def fastest(tilings: dict[str, Any], keys: tuple[str, ...]) -> str | None:
+    """The tiling (a sweep's row name: the planner's, e.g. ``"aligned"``, or a given one's,
+    ``"aligned_<tile>x<warps>"``) whose ``keys`` times, summed over the shapes, are least;
+    only tilings timed at every shape count. None when unmeasured."""
     names = set.intersection(*(set(t) for t in tilings.values())) if tilings else set()
-    totals = {name: sum(t[name]["stats_ms"] + t[name]["grad_ms"] for t in tilings.values())
-              for name in names}
+    totals = {name: sum(t[name][k] for t in tilings.values() for k in keys) for name in names}
     return min(sorted(totals), key=totals.__getitem__) if totals else None
 
 
@@ -196,13 +218,15 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
                            f"<= {MAX_PEAK_OVER_LOGITS_PLUS_DLOGITS}",
                            None if mem is None else mem <= MAX_PEAK_OVER_LOGITS_PLUS_DLOGITS,
                            "" if mem is not None else "no device memory_stats"))
-    # The layout that is not the default yet, from the gpu_layouts phase's whole steps.
+    # The designs that are not the default yet, from the gpu_layouts phase's whole steps.
     for s, t in fig["layouts"].items():
-        if "aligned" in t and t["aligned"]["step_ms"] is not None:
-            out += _speed_targets("pallas (gpu_layout='aligned')", s,
-                                  {k: v["step_ms"] for k, v in t.items()
-                                   if k in ("aligned", "xla") and v["step_ms"] is not None},
-                                  t["aligned"]["copy_fraction"], key="aligned")
+        for key, label in (("aligned", "pallas (gpu_layout='aligned')"),
+                           ("one_pass", "pallas (one_pass=True)")):
+            if key in t and t[key]["step_ms"] is not None:
+                out += _speed_targets(label, s, {k: v["step_ms"] for k, v in t.items()
+                                                 if k in (key, "xla")
+                                                 and v["step_ms"] is not None},
+                                      t[key]["copy_fraction"], key=key)
     head = fig["lm_head"]
     if "xla" in head:
         r = head["xla"]["median_step_ms_ratio_to_reference"]
@@ -262,12 +286,21 @@ def to_markdown(report: dict[str, Any]) -> str:
                          f"{_fmt(r['copy_fraction'])} |")
     if fig["layouts"]:
         lines += ["", "| N x V | GPU layout | statistics ms | gradient ms | step ms | step, of "
-                  "copy (3 V b) |", "|---|---|---|---|---|---|"]
+                  "copy (3 V b; one_pass 2 V b) |", "|---|---|---|---|---|---|"]
         lines += [f"| {s} | {k} | {_fmt(v['stats_ms'])} | {_fmt(v['grad_ms'])} | "
                   f"{_fmt(v['step_ms'])} | {_fmt(v['copy_fraction'])} |"
                   for s, t in fig["layouts"].items() for k, v in t.items()]
         lines += ["", f"GPU layout this run supports as the default: {_fmt(fig['gpu_layout'])} "
-                  "(xla_copy's step is XLA's z + 1: the gradient kernel's bytes)."]
+                  "(xla_copy's step is XLA's z + 1: the gradient kernel's bytes).",
+                  "", f"GPU one_pass=None this run supports: {_fmt(fig['gpu_one_pass'])}."]
+    if fig["one_pass_tilings"]:
+        lines += ["", "| N x V | one-pass tiling | tile | warps | programs | kernel ms | "
+                  "of copy (2 V b) |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {s} | {k} | {v['block_vocab']} | {v['num_warps']} | {v['programs']} | "
+                  f"{_fmt(v['kernel_ms'])} | {_fmt(v['copy_fraction'])} |"
+                  for s, t in fig["one_pass_tilings"].items() for k, v in t.items()]
+        lines += ["", f"One-pass kernel's fastest tiling (summed over the shapes): "
+                  f"{_fmt(fig['one_pass_tiling'])} (one_pass: pallas_gpu_one_pass.plan_blocks's)."]
     if fig["tilings"]:
         lines += ["", "| N x V | aligned tiling | tile | warps | statistics ms | gradient ms |",
                   "|---|---|---|---|---|---|"]

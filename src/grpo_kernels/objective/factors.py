@@ -51,7 +51,7 @@ def sampler_ratio(old_logp: Array, sampler_logps: Array, mask: Array,
             keep = keep & (rho >= low)
         if high is not None:
             keep = keep & (rho <= high)
-        rho = jnp.where(keep, rho, 0.0)
+        rho = jnp.where(keep, rho, jnp.zeros_like(rho))  # not a literal: see terms._choose
     return _sg(rho)
 
 

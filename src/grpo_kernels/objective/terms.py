@@ -233,6 +233,14 @@ def policy_factors(logp: Array, old: Array, mask: Array, advantages: Array,
     return scale, phi
 
 
+def _choose(pred: Array, yes: float, no: float) -> Array:
+    """``where(pred, yes, no)`` of two Python floats as float32 constants. With the floats
+    weakly typed, Pallas's Triton lowering (jax 0.10) gives them ``pred``'s bool type when
+    ``pred`` is a scalar, and the one-pass GPU kernel, which runs this code per token, fails
+    to lower."""
+    return jnp.where(pred, jnp.float32(yes), jnp.float32(no))
+
+
 def policy_term(logp: Array, log_ratio: Array, advantages: Array, config: GRPOLossConfig,
                 phi: Array | None = None) -> tuple[Array, Array, Array]:
     r"""``(p, c_1, c_2)``: the per-token policy loss of ``config.loss_type`` (TRL's) and the
@@ -255,7 +263,7 @@ def policy_term(logp: Array, log_ratio: Array, advantages: Array, config: GRPOLo
     if kind == "cispo":
         return -_sg(jnp.minimum(coef_1, config.epsilon_high)) * a * _f32(logp), coef_1, coef_2
     if kind == "sapo":
-        tau = jnp.where(a > 0, config.sapo_temperature_pos, config.sapo_temperature_neg)
+        tau = _choose(a > 0, config.sapo_temperature_pos, config.sapo_temperature_neg)
         return -(jax.nn.sigmoid(tau * (coef_1 - 1.0)) * 4.0 / tau) * a, coef_1, coef_2
     if kind == "vespo":
         return -phi * a * _f32(logp), coef_1, coef_2

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grpo_kernels import GRPOLossConfig, XlaBlockSizes, grpo_loss
+from grpo_kernels import GRPOLossConfig, PallasOptions, XlaBlockSizes, grpo_loss
 from grpo_kernels.config import LOSS_TYPES
 from grpo_kernels.ops.logits_loss import IMPLEMENTATIONS
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
@@ -146,6 +146,29 @@ def test_extreme_and_masked_vocab_logits_stay_finite(impl, dtype):
     if impl != "reference":
         _, _, want_grad = reference_value_and_grad(inp, cfg)
         assert rel_err(grad, want_grad) <= TOL[dtype]["grad"]
+
+
+MASKED_RUNS = {"xla": ("xla", None), "pallas-tpu": ("pallas", PallasOptions(kernel="tpu")),
+               **{f"pallas-gpu-{layout}": ("pallas", PallasOptions(kernel="gpu",
+                                                                   gpu_layout=layout))
+                  for layout in ("rows", "aligned")},
+               "pallas-gpu-one-pass": ("pallas", PallasOptions(kernel="gpu", one_pass=True))}
+
+
+@pytest.mark.parametrize("run", list(MASKED_RUNS))
+def test_masked_vocab_with_the_entropy_bonus_gets_zero_gradient(run):
+    """-inf logits with the entropy term: p = 0 there, so dlogits is exactly 0, not
+    0 * (u + H) = 0 * -inf = NaN (every fast path once wrote NaN here; the reference did not)."""
+    impl, options = MASKED_RUNS[run]
+    cfg = GRPOLossConfig(beta=0.04, entropy_coef=0.05, temperature=0.7)
+    inp = random_inputs(15, B, T, V, jnp.float32, cfg)
+    cols = jnp.arange(V)[None, None, :]
+    masked = (cols % 3 == 0) & (cols != inp.ids[..., None])
+    inp = inp.__class__(**{**inp.__dict__, "logits": jnp.where(masked, -jnp.inf, inp.logits)})
+    _, _, grad = value_and_grad(impl, inp, cfg, options=options)
+    _, _, want = reference_value_and_grad(inp, cfg)
+    assert bool(jnp.all(jnp.where(masked, grad, 0.0) == 0.0))
+    assert bool(jnp.all(jnp.isfinite(grad))) and rel_err(grad, want) <= TOL[jnp.float32]["grad"]
 
 
 @pytest.mark.parametrize("impl", FAST)

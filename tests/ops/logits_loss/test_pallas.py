@@ -315,14 +315,14 @@ def test_one_pass_is_the_tpu_default_for_token_separable_configs():
 
 
 @pytest.mark.parametrize("options,cfg", [
-    (PallasOptions(kernel="gpu", one_pass=True), GRPOLossConfig()),
+    (PallasOptions(kernel="gpu", one_pass=True), GRPOLossConfig(loss_type="vespo")),
     (PallasOptions(kernel="tpu", one_pass=True), GRPOLossConfig(loss_type="vespo")),
     (PallasOptions(kernel="tpu", one_pass=True),
      GRPOLossConfig(importance_sampling_level="sequence")),
 ], ids=["gpu", "vespo", "sequence"])
 def test_one_pass_refuses_what_it_cannot_run(options, cfg):
     inp = random_inputs(1, 1, 4, 50, jnp.float32, cfg)
-    with pytest.raises(ValueError, match="PallasOptions.one_pass=True needs the TPU kernel"):
+    with pytest.raises(ValueError, match="PallasOptions.one_pass=True needs a token-separable"):
         grpo_loss(inp.logits, inp.ids, inp.mask, inp.advantages, config=cfg, impl="pallas",
                   options=options, **inp.kwargs())
 

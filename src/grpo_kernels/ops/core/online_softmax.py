@@ -23,6 +23,10 @@ from grpo_kernels.compat import vary_like
 
 Array = jax.Array
 Stats = tuple[Array, Array, Array]
+# Scaled logits below this have p = 0 in float32. The entropy term's gradient floors u here, so
+# that a -inf logit (a masked vocabulary entry) gets c_h * 0 * (floor + H) = 0, not 0 * -inf;
+# at -1e30 the product with any c_h up to 1e8 stays finite.
+GRAD_FLOOR = -1e30
 
 
 def sweep(n: int, block: int, body: Callable[[Any, int, Any], Any], carry: Any, *,
@@ -123,5 +127,5 @@ def softmax_grad(u: Array, hit: Array, coef: Array, hcoef: Array | None = None,
         p = jnp.exp(u)
     d = coef * jnp.where(hit, 1.0 - p, -p)
     if hcoef is not None:
-        d = d - hcoef * (p * (u + entropy))
+        d = d - hcoef * (p * (jnp.maximum(u, GRAD_FLOOR) + entropy))
     return d

@@ -27,7 +27,7 @@ from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.options import check_int, check_interpret, resolved_interpret
 from grpo_kernels.ops.core.validate import backend_kind
 from grpo_kernels.ops.core.vjp import loss_from_pieces, loss_with_gradient
-from grpo_kernels.ops.logits_loss import pallas_gpu, pallas_tpu
+from grpo_kernels.ops.logits_loss import pallas_gpu, pallas_gpu_one_pass, pallas_tpu
 
 Array = jax.Array
 
@@ -43,16 +43,21 @@ class PallasBlockSizes:
         of 16-bit rows; 32-bit rows need 8). The GPU kernels take one row per program.
       block_vocab: Vocabulary tile: a power of two >= 128 (a multiple of 128 for the TPU
         lanes, a power of two for Triton's block shapes).
+      gpu_programs: Persistent programs of the one-pass GPU kernel (each loops over every
+        ``gpu_programs``-th row); ``None``: one per multiprocessor
+        (:func:`~.pallas_gpu_one_pass.default_programs`).
     """
 
     block_rows: int | None = None
     block_vocab: int | None = None
+    gpu_programs: int | None = None
 
     def __post_init__(self) -> None:
         check_int("PallasBlockSizes", "block_rows", self.block_rows, multiple=16,
                   why=" (TPU sublane tiling of 16-bit rows)")
         check_int("PallasBlockSizes", "block_vocab", self.block_vocab, multiple=128,
                   power_of_two=True, why=" (TPU lanes; Triton block shapes)")
+        check_int("PallasBlockSizes", "gpu_programs", self.gpu_programs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +69,12 @@ class PallasOptions:
       blocks: The kernels' tiling; ``None``: each kernel's planner.
       alias_logits: Write dlogits into the logits' buffer (saves a ``[B, T, V]`` buffer when the
         logits are donated or otherwise dead).
-      one_pass: The one-pass TPU kernel (:func:`~.pallas_tpu.one_pass`: the logits read once,
-        the gradient formed in the forward) for token-separable configs
-        (:func:`grpo_kernels.objective.token_separable`). ``None``: exactly when the TPU kernel
-        runs and the config is token-separable; ``True`` with a GPU kernel or another config
+      one_pass: The one-pass kernel (the logits read once, the gradient formed in the forward)
+        for token-separable configs (:func:`grpo_kernels.objective.token_separable`): on TPU
+        :func:`~.pallas_tpu.one_pass`, on GPU :func:`~.pallas_gpu_one_pass.one_pass` (its
+        second read from L2; addresses rows as the ``"aligned"`` layout whatever
+        ``gpu_layout``). ``None``: exactly when the TPU kernel runs and the config is
+        token-separable (the GPU one is not yet measured); ``True`` with another config
         raises; ``False``: the two kernels.
       gpu_layout: How the GPU kernels address a row: ``"rows"`` (tiles from each row's start,
         the measured default) or ``"aligned"`` (tiles on 16-byte boundaries, no column ids
@@ -114,15 +121,16 @@ class PallasOptions:
         return resolved_interpret(self.interpret, backend_kind(backend))
 
     def resolved_one_pass(self, config: GRPOLossConfig, backend: str | None = None) -> bool:
-        """Whether the one-pass TPU kernel computes ``config``'s loss (see ``one_pass``)."""
-        fits = self.resolved_kernel(backend) == "tpu" and token_separable(config)
+        """Whether a one-pass kernel computes ``config``'s loss (see ``one_pass``)."""
+        fits = token_separable(config)
         if self.one_pass and not fits:
             raise ValueError(
-                "PallasOptions.one_pass=True needs the TPU kernel and a token-separable config "
-                "(token level; no vespo, off_policy_mask_threshold, sequence-level "
-                "sampler_correction or top_entropy_quantile < 1), got kernel="
-                f"{self.resolved_kernel(backend)!r} and {config!r}")
-        return fits if self.one_pass is None else self.one_pass
+                "PallasOptions.one_pass=True needs a token-separable config (token level; no "
+                "vespo, off_policy_mask_threshold, sequence-level sampler_correction or "
+                f"top_entropy_quantile < 1), got {config!r}")
+        if self.one_pass is None:
+            return fits and self.resolved_kernel(backend) == "tpu"
+        return self.one_pass
 
 
 def _tpu_tiling(vocab: int, dtype, opts: PallasOptions) -> pallas_tpu.TpuBlocks:
@@ -190,24 +198,32 @@ def pallas_grpo_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
 
 def _one_pass_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
                    options: PallasOptions) -> tuple[Array, dict[str, Array]]:
-    """:func:`pallas_grpo_loss` on :func:`~.pallas_tpu.one_pass`: the forward reads the logits
+    """:func:`pallas_grpo_loss` on a one-pass kernel (:func:`~.pallas_tpu.one_pass` or
+    :func:`~.pallas_gpu_one_pass.one_pass`): the forward reads the logits
     once and forms the gradient for a unit cotangent; the backward multiplies it by the loss
     cotangent, which XLA drops when the cotangent is the constant 1 of ``jax.grad(loss)``."""
     b, t, vocab = logits.shape
     n, tau = b * t, config.temperature
     ids = batch.clamped_ids(vocab).reshape(n)
-    tiling = _tpu_tiling(vocab, logits.dtype, options)
     interpret = options.resolved_interpret()
+    blocks = options.blocks or PallasBlockSizes()
+    if options.resolved_kernel() == "gpu":
+        tiling = pallas_gpu_one_pass.plan_blocks(n, vocab, blocks.block_vocab,
+                                                 blocks.gpu_programs)
+        kernel = pallas_gpu_one_pass.one_pass
+    else:
+        tiling, kernel = _tpu_tiling(vocab, logits.dtype, options), pallas_tpu.one_pass
+    row_stats = kernels(vocab, logits.dtype, options)[0]
 
     def forward(primals, batch, with_grad):
         z = primals[0].reshape(n, vocab)
         if with_grad:
-            logp, ent, dz = pallas_tpu.one_pass(
+            logp, ent, dz = kernel(
                 z, ids, batch.token_columns(config),
                 lambda lp, cols: token_row_grad(lp, cols, config), tau, tiling,
                 interpret=interpret, alias_logits=options.alias_logits)
         else:  # a primal-only call needs the statistics alone
-            logp, _, ent = pallas_tpu.row_statistics(z, ids, tau, tiling, interpret=interpret)
+            logp, _, ent = row_stats(z, ids, tau)
         loss, metrics, _ = batch.loss(logp.reshape(b, t), ent.reshape(b, t), config, False)
         return (loss, metrics), ((dz.reshape(b, t, vocab),) if with_grad else None)
 

@@ -44,7 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from grpo_kernels.compat import out_struct
-from grpo_kernels.ops.core.online_softmax import finish, merge_stats, reduce_stats, softmax_grad
+from grpo_kernels.ops.core.online_softmax import (GRAD_FLOOR, finish, merge_stats, reduce_stats,
+                                                  softmax_grad)
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -64,16 +65,17 @@ def full_tiles(vocab: int, block_vocab: int, align: int) -> int:
     return max(vocab - (align - 1), 0) // block_vocab
 
 
-def _check_size(n: int, vocab: int) -> None:
+def _check_size(n: int, vocab: int, who: str, instead: str) -> None:
     if n * vocab >= _INT32_LIMIT:
-        raise ValueError(f"the 'aligned' GPU layout addresses the logits with int32 offsets: "
+        raise ValueError(f"{who} addresses the logits with int32 offsets: "
                          f"N * V = {n} * {vocab} = {n * vocab} must be < 2^31; use "
-                         f"PallasOptions(gpu_layout='rows') or fewer rows per call")
+                         f"{instead} or fewer rows per call")
 
 
-def _row(vocab: int, align: int):
-    """``(base, head)`` of this program's row: its first element and its head length."""
-    base = pl.program_id(0) * vocab
+def row_start(vocab: int, align: int, row=None):
+    """``(base, head)`` of row ``row`` (default: this program's, ``program_id(0)``): its first
+    element and its head length."""
+    base = (pl.program_id(0) if row is None else row) * vocab
     return base, jnp.bitwise_and(-base, align - 1)
 
 
@@ -81,7 +83,7 @@ def _tile_start(base, head, block_vocab: int, align: int):
     return pl.multiple_of(base + head + pl.program_id(1) * block_vocab, align)
 
 
-def _stats2(t: Array):
+def stats_base2(t: Array):
     """``(m, S, Q)`` of a block of ``t = s log2 e`` (natural-base ``m`` and ``Q``; any shift is
     valid, see :func:`~grpo_kernels.ops.core.online_softmax.block_stats`)."""
     m = jnp.max(t)
@@ -93,20 +95,21 @@ def _stats2(t: Array):
 
 
 def _stats_tile_kernel(x_ref, m_ref, s_ref, q_ref, *, block_vocab, scale, vocab, align):
-    base, head = _row(vocab, align)
+    base, head = row_start(vocab, align)
     start = _tile_start(base, head, block_vocab, align)
     t = plgpu.load(x_ref.at[pl.ds(start, block_vocab)]).astype(_F32) * scale
-    m_ref[...], s_ref[...], q_ref[...] = _stats2(t)
+    m_ref[...], s_ref[...], q_ref[...] = stats_base2(t)
 
 
-def _edge(x_ref, vocab: int, align: int, full: int, block_vocab: int, width: int, other):
+def edge_segments(x_ref, vocab: int, align: int, full: int, block_vocab: int, width: int,
+                  other, row=None):
     """The row's elements outside its full tiles as ``(start, values, columns, mask)``
     segments: the head (``align`` elements from the row's start, valid below ``min(head, V)``),
     the tail's whole vectors (``width`` elements from the end of the full tiles) and the
     tail's last partial vector (``align`` elements). The middle segment's mask changes only
     at vector boundaries, so Triton loads and stores it in 16-byte vectors. Masked entries
-    read ``other``; columns count from the row's start."""
-    base, head = _row(vocab, align)
+    read ``other``; columns count from the row's start. ``row`` as :func:`row_start`'s."""
+    base, head = row_start(vocab, align, row)
     first = head + full * block_vocab
     tail = vocab - first
     # A product with align, which Triton's alignment analysis knows is a multiple of it
@@ -126,8 +129,8 @@ def _edge(x_ref, vocab: int, align: int, full: int, block_vocab: int, width: int
 
 def _stats_edge_kernel(x_ref, m_ref, s_ref, q_ref, *, block_vocab, scale, vocab, align, full,
                        width):
-    parts = [_stats2(x.astype(_F32) * scale)
-             for _, x, _, _ in _edge(x_ref, vocab, align, full, block_vocab, width, -jnp.inf)]
+    segments = edge_segments(x_ref, vocab, align, full, block_vocab, width, -jnp.inf)
+    parts = [stats_base2(x.astype(_F32) * scale) for _, x, _, _ in segments]
     m_ref[...], s_ref[...], q_ref[...] = functools.reduce(merge_stats, parts)
 
 
@@ -136,13 +139,13 @@ def _grad_tile_kernel(x_ref, lse_ref, a_ref, *rest, block_vocab, scale, vocab, a
     # rest: the entropy term's factor (with_entropy), with alias_logits the chosen logits (an
     # input only so that XLA gathers them before this call overwrites the logits), the output.
     o_ref = rest[-1]
-    base, head = _row(vocab, align)
+    base, head = row_start(vocab, align)
     start = _tile_start(base, head, block_vocab, align)
     x = plgpu.load(x_ref.at[pl.ds(start, block_vocab)])
     t = x.astype(_F32) * scale - lse_ref[...]  # u log2 e, u = s - lse
     p = jnp.exp2(t)  # traced before the row factors are read (see pallas_gpu._grad_kernel)
     a = a_ref[...]
-    d = -p * (a + rest[0][...] * t if with_entropy else a)
+    d = -p * (a + rest[0][...] * jnp.maximum(t, GRAD_FLOOR) if with_entropy else a)
     plgpu.store(o_ref.at[pl.ds(start, block_vocab)], d.astype(o_ref.dtype))
 
 
@@ -153,12 +156,12 @@ def _grad_edge_kernel(x_ref, id_ref, lse_ref, coef_ref, zy_ref, *rest, block_voc
     o_ref = rest[-1]
     hcoef, ent = (rest[0][...], rest[1][...]) if with_entropy else (None, None)
     lse, coef, y = lse_ref[...], coef_ref[...], id_ref[...]
-    for start, x, cols, mask in _edge(x_ref, vocab, align, full, block_vocab, width, 0.0):
+    for start, x, cols, mask in edge_segments(x_ref, vocab, align, full, block_vocab, width, 0.0):
         u = x.astype(_F32) * inv_tau - lse
         d = softmax_grad(u, cols == y, coef, hcoef, ent).astype(o_ref.dtype)
         plgpu.store(o_ref.at[pl.ds(start, x.shape[0])], d, mask=mask)
     # The chosen column when a full tile holds it (the tile wrote the not-chosen value there).
-    base, head = _row(vocab, align)
+    base, head = row_start(vocab, align)
     in_tiles = (y >= head) & (y < head + full * block_vocab)
     u_y = zy_ref[...].astype(_F32) * inv_tau - lse
     d_y = softmax_grad(u_y, True, coef, hcoef, ent).astype(o_ref.dtype)
@@ -166,22 +169,23 @@ def _grad_edge_kernel(x_ref, id_ref, lse_ref, coef_ref, zy_ref, *rest, block_voc
                 jnp.full((1,), d_y, o_ref.dtype), mask=jnp.full((1,), in_tiles))
 
 
-def _plan(z: Array, block_vocab: int) -> tuple[int, int, int, int, int]:
+def plan_rows(z: Array, block_vocab: int, who: str = "the 'aligned' GPU layout",
+          instead: str = "PallasOptions(gpu_layout='rows')") -> tuple[int, int, int, int, int]:
     """``(N, V, align, full tiles per row, the edge call's tail width)``, after the size
-    check."""
+    check (whose error names ``who`` and what to use ``instead``)."""
     n, vocab = z.shape
-    _check_size(n, vocab)
+    _check_size(n, vocab, who, instead)
     align = alignment(z.dtype)
     full = full_tiles(vocab, block_vocab, align)
     return n, vocab, align, full, pl.next_power_of_2(vocab - full * block_vocab)
 
 
-def _whole(size: int) -> pl.BlockSpec:
+def whole_spec(size: int) -> pl.BlockSpec:
     """The flat logits, whole, at every grid step (the kernels address them themselves)."""
     return pl.BlockSpec((size,), lambda *_: (0,))
 
 
-def _chosen(z: Array, ids: Array) -> Array:
+def chosen_logits(z: Array, ids: Array) -> Array:
     """``z[r, ids[r]]``: ``N`` values gathered in XLA (ids clipped: a sharded caller passes -1
     for a chosen id another shard owns)."""
     ids = jnp.clip(ids.astype(jnp.int32), 0, z.shape[1] - 1)
@@ -191,9 +195,9 @@ def _chosen(z: Array, ids: Array) -> Array:
 def row_statistics(z: Array, ids: Array, temperature: float, blocks, params,
                    interpret: bool = False) -> tuple[Array, Array, Array]:
     """``(logp, lse, entropy)``, each ``[N]`` float32 (as :func:`.pallas_gpu.row_statistics`)."""
-    n, vocab, align, full, width = _plan(z, blocks.block_vocab)
+    n, vocab, align, full, width = plan_rows(z, blocks.block_vocab)
     flat, scale = z.reshape(n * vocab), _LOG2E / temperature
-    whole = _whole(n * vocab)
+    whole = whole_spec(n * vocab)
     common = dict(block_vocab=blocks.block_vocab, scale=scale, vocab=vocab, align=align)
     parts = []
     if full:
@@ -212,7 +216,7 @@ def row_statistics(z: Array, ids: Array, temperature: float, blocks, params,
     )(flat)
     parts.append(tuple(x[:, None] for x in edge))
     m, s, q = (jnp.concatenate(xs, axis=1) if len(xs) > 1 else xs[0] for xs in zip(*parts))
-    chosen = _chosen(z, ids).astype(_F32) * (1.0 / temperature)
+    chosen = chosen_logits(z, ids).astype(_F32) * (1.0 / temperature)
     return finish(*reduce_stats(m, s, q), chosen)
 
 
@@ -223,13 +227,13 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
     buffer with ``alias_logits``, else a fresh one), then the edge call writes each row's head,
     tail and chosen column into that buffer in place; it reads only the head and tail, which
     the tiles never write."""
-    n, vocab, align, full, width = _plan(z, blocks.block_vocab)
-    flat, whole = z.reshape(n * vocab), _whole(n * vocab)
+    n, vocab, align, full, width = plan_rows(z, blocks.block_vocab)
+    flat, whole = z.reshape(n * vocab), whole_spec(n * vocab)
     f32 = lambda x: x.astype(_F32)  # noqa: E731
     lse, coef = f32(lse), f32(coef)
     with_entropy = hcoef is not None
     ent_args = (f32(hcoef), f32(entropy)) if with_entropy else ()
-    zy = _chosen(z, ids)
+    zy = chosen_logits(z, ids)
     out = flat
     if full:
         a = coef + ent_args[0] * ent_args[1] if with_entropy else coef

@@ -1,0 +1,217 @@
+"""The one-pass GPU kernel (``pallas_gpu_one_pass``), interpreted: against the reference over the
+token-separable configs and the aligned addressing's odd shapes, against the two kernels on
+masked and NaN logits, its dispatch, and lowered for CUDA.
+
+The generic interpreter pads inputs with NaN, so a read past a row's end would show up as a NaN
+loss or gradient, which ``assert_matches_reference`` rejects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_kernels import GRPOLossConfig, PallasBlockSizes, PallasOptions, grpo_loss
+from grpo_kernels.objective import token_separable
+from grpo_kernels.ops.logits_loss import pallas_gpu_one_pass as one_pass
+from grpo_kernels.ops.logits_loss.inputs import random_inputs
+from tests.helpers import (family_grid, family_id, grid_id, loss_grid_split, option_grid,
+                           option_id, reference_value_and_grad, rel_err)
+from tests.ops.logits_loss.test_impls import assert_matches_reference
+from tests.ops.logits_loss.test_pallas_gpu_aligned import SHAPES
+
+
+def _options(block_vocab: int = 128, programs: int | None = 4, **kw) -> PallasOptions:
+    """Four programs by default: the 21 rows below leave them 6, 5, 5 and 5 rows."""
+    return PallasOptions(kernel="gpu", one_pass=True, blocks=PallasBlockSizes(
+        block_vocab=block_vocab, gpu_programs=programs), **kw)
+
+
+def _f32(d):
+    return "f32" if d == jnp.float32 else "bf16"
+
+
+# Token level only (the kernel's domain); delta stays in, since the kernel now forms g itself.
+# Every other config of the split keeps the test time down; each factor's levels still meet.
+GRID = [(c, d) for c, d in loss_grid_split(7) if c.importance_sampling_level == "token"][::2]
+
+
+@pytest.mark.parametrize("cfg,dtype", [pytest.param(c, d, id=f"{grid_id(c)}-{_f32(d)}")
+                                       for c, d in GRID])
+def test_grid_matches_reference(cfg, dtype):
+    inp = random_inputs(31, 3, 7, 1000, dtype, cfg)
+    assert_matches_reference("pallas", inp, cfg, options=_options())
+
+
+OPTIONS = [(i, o) for i, o in enumerate(option_grid(7)) if token_separable(o[0])]
+FAMILY = [c for c in family_grid(7) if token_separable(c)]
+
+
+@pytest.mark.parametrize("index,item", OPTIONS, ids=[option_id(o) for _, o in OPTIONS])
+def test_options_match_reference(index, item):
+    """tunix's options and sampler weights: the objective's code inside the kernel."""
+    cfg, sampler = item
+    dtype = (jnp.float32, jnp.bfloat16)[index % 2]
+    inp = random_inputs(32, 3, 7, 300, dtype, cfg, noise=0.3, sampler_weights=sampler)
+    assert_matches_reference("pallas", inp, cfg, options=_options())
+
+
+@pytest.mark.parametrize("index", range(len(FAMILY)), ids=[family_id(c) for c in FAMILY])
+def test_family_matches_reference(index):
+    """The token-separable part of the 2026 family (CISPO, SAPO, token-level sampler
+    correction, the entropy bonus, KL bias correction)."""
+    cfg = FAMILY[index]
+    dtype = (jnp.float32, jnp.bfloat16)[index % 2]
+    inp = random_inputs(33, 3, 7, 300, dtype, cfg, noise=0.3)
+    assert_matches_reference("pallas", inp, cfg, options=_options())
+
+
+@pytest.mark.parametrize("index", range(len(SHAPES)),
+                         ids=[f"{b}x{t}x{v}-{_f32(d)}" for b, t, v, d in SHAPES])
+def test_odd_shapes_match_reference(index):
+    """The aligned addressing's shapes (every head length, zero to two full tiles, rows
+    shorter than a vector), with programs that do not divide the rows and more programs than
+    rows (the planner caps them at N)."""
+    b, t, v, dtype = SHAPES[index]
+    cfg = GRPOLossConfig(loss_type="dapo", beta=0.04, delta=2.0, temperature=0.7,
+                         entropy_coef=0.02)
+    inp = random_inputs(200 + index, b, t, v, dtype, cfg)
+    programs = (1, 4, 64)[index % 3]
+    assert_matches_reference("pallas", inp, cfg, options=_options(programs=programs))
+
+
+def test_dlogits_into_the_donated_logits_buffer():
+    cfg = GRPOLossConfig(loss_type="bnpo", entropy_coef=0.05)
+    inp = random_inputs(8, 4, 8, 300, jnp.bfloat16, cfg)
+    _, _, want = reference_value_and_grad(inp, cfg)
+    opts = _options(alias_logits=True, programs=3)
+
+    def fn(z):
+        return grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="pallas",
+                         options=opts, **inp.kwargs())[0]
+
+    _, got = jax.jit(jax.value_and_grad(fn), donate_argnums=0)(inp.logits + 0)
+    assert got.dtype == jnp.bfloat16 and rel_err(got, want) <= 1e-2
+
+
+def _loss_and_grad(z, inp, cfg, options):
+    def fn(z):
+        return grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="pallas",
+                         options=options, **inp.kwargs())
+    (loss, metrics), dz = jax.value_and_grad(fn, has_aux=True)(z)
+    return loss, metrics["logp"], dz
+
+
+def test_masked_vocabulary_and_nan_as_the_two_kernels():
+    """-inf logits (heads, tiles and tails) contribute nothing, as in the two kernels; a NaN
+    logit makes its token's log-prob NaN."""
+    cfg = GRPOLossConfig(beta=0.04, entropy_coef=0.01)
+    inp = random_inputs(9, 3, 3, 300, jnp.float32, cfg)
+    cols = jnp.arange(300)[None, None, :]
+    z = jnp.where((cols % 3 == 0) & (cols != inp.ids[..., None]), -jnp.inf, inp.logits)
+    two = PallasOptions(kernel="gpu", gpu_layout="aligned",
+                        blocks=PallasBlockSizes(block_vocab=128))
+    got, want = (_loss_and_grad(z, inp, cfg, o) for o in (_options(), two))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-7)
+    assert bool(jnp.all(jnp.where(cols[..., ::3] != inp.ids[..., None], got[2][..., ::3], 0) == 0))
+    logp = _loss_and_grad(z.at[1, 2, 150].set(jnp.nan), inp, cfg, _options())[1]
+    assert np.isnan(float(logp[1, 2])) and not np.isnan(np.asarray(logp)[0]).any()
+
+
+def _kernel_names(cfg, options, grad=True):
+    inp = random_inputs(0, 2, 9, 300, jnp.float32, cfg)
+    f = lambda z: grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="pallas",
+                            options=options, **inp.kwargs())[0]
+    text = str(jax.make_jaxpr(jax.value_and_grad(f) if grad else f)(inp.logits))
+    return {n for n in ("grpo_gpu_one_pass", "grpo_tile_statistics", "grpo_tile_gradient")
+            if n in text}
+
+
+def test_the_one_pass_gpu_kernel_runs_only_when_asked():
+    """Not yet measured on a GPU, so one_pass=None keeps the two kernels there; a call
+    without a gradient needs the statistics alone."""
+    gpu = PallasOptions(kernel="gpu")
+    two = {"grpo_tile_statistics", "grpo_tile_gradient"}
+    assert _kernel_names(GRPOLossConfig(), gpu) == two
+    asked = dataclasses.replace(gpu, one_pass=True)
+    assert _kernel_names(GRPOLossConfig(), asked) == {"grpo_gpu_one_pass"}
+    assert _kernel_names(GRPOLossConfig(), asked, grad=False) == {"grpo_tile_statistics"}
+
+
+def test_plan_and_blocks():
+    assert one_pass.plan_blocks(2048, 151_643, programs=None).block_vocab == 16384
+    assert one_pass.plan_blocks(2048, 300).block_vocab == 512
+    assert one_pass.plan_blocks(5, 300, programs=64).programs == 5
+    assert 1 <= one_pass.default_programs(3) <= 3
+    for field, value in (("block_vocab", 100), ("num_warps", 6), ("programs", 0)):
+        kw = {"block_vocab": 128, "num_warps": 4, "programs": 2, field: value}
+        with pytest.raises(ValueError, match=f"OnePassBlocks.{field} must be"):
+            one_pass.OnePassBlocks(**kw)
+    with pytest.raises(ValueError, match="PallasBlockSizes.gpu_programs must be None or an int"):
+        PallasBlockSizes(gpu_programs=0)
+
+
+def test_int32_offsets_are_checked():
+    z = jax.ShapeDtypeStruct((16384, 151_643), jnp.bfloat16)  # B=8, T=2048: 2.48e9 elements
+    ids = jnp.zeros((16384,), jnp.int32)
+    cols = {"weights": jnp.zeros((16384,)), "advantages": jnp.zeros((16384,))}
+    blocks = one_pass.plan_blocks(16384, 151_643, programs=132)
+    with pytest.raises(ValueError, match=r"one-pass GPU kernel .* N \* V = 16384 \* 151643 .*"
+                       r"PallasOptions\(one_pass=False\)"):
+        jax.eval_shape(lambda z: one_pass.one_pass(z, ids, cols, None, 1.0, blocks), z)
+
+
+def _export_for_cuda(cfg, b, t, v, sampler_weights=False):
+    """``jax.export`` of ``value_and_grad`` on the one-pass GPU kernel, for CUDA; skips where
+    this jaxlib cannot lower Triton kernels."""
+    spec = jax.ShapeDtypeStruct
+    row = spec((b, t), jnp.float32)
+    args = (spec((b, t, v), jnp.bfloat16), spec((b, t), jnp.int32), row, spec((b,), jnp.float32),
+            row)
+
+    def f(z, ids, mask, adv, logps):
+        kw = dict(ref_logps=logps) if cfg.beta else {}
+        if cfg.sampler_correction is not None:
+            kw["sampler_logps"] = logps
+        if sampler_weights:
+            kw["sampler_weights"] = jnp.exp(logps)
+        return grpo_loss(z, ids, mask, adv, config=cfg, impl="pallas", old_logps=logps,
+                         options=PallasOptions(kernel="gpu", one_pass=True, interpret=False),
+                         **kw)
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    try:
+        exported = jax.export.export(jax.jit(jax.value_and_grad(f, has_aux=True)),
+                                     platforms=["cuda"], disabled_checks=checks)(*args)
+    except ValueError as e:
+        if "install jaxlib GPU" in str(e):
+            pytest.skip("this jaxlib cannot lower Pallas GPU (Triton) kernels without the CUDA "
+                        "plugin; interpret-mode tests above cover the kernel's numerics")
+        raise
+    text = exported.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "grpo_gpu_one_pass" in text
+
+
+@pytest.mark.parametrize("b,t", [(1, 2048), (4, 1024)])
+def test_lowers_for_cuda_at_the_benchmark_shapes(b, t):
+    """value_and_grad at V = 151,643 bf16 is one Triton call."""
+    _export_for_cuda(GRPOLossConfig(beta=0.04), b, t, 151_643)
+
+
+LOWERED = ([(c, False) for c, _ in GRID] + [o for _, o in OPTIONS]
+           + [(c, False) for c in FAMILY])
+
+
+@pytest.mark.parametrize("cfg,sampler", LOWERED, ids=[
+    f"{grid_id(c)}-{option_id((c, s))}-{family_id(c)}" for c, s in LOWERED])
+def test_every_token_separable_config_lowers_for_cuda(cfg, sampler):
+    """The objective's code, which runs per token inside the kernel, lowers to Triton for
+    every config the interpret-mode tests above run (Triton lacks some of what XLA and Mosaic
+    accept: SAPO's and the sampler mask's float literals once failed here)."""
+    _export_for_cuda(cfg, 1, 16, 1000, sampler)
