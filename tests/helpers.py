@@ -130,6 +130,24 @@ def reference_value_and_grad(inp, cfg, **kw):
     return cached_reference(key, inp, lambda: value_and_grad("reference", inp, cfg, **kw))
 
 
+def cuda_module(fn: Callable, *args) -> str:
+    """The MLIR text of ``jax.export(jax.jit(fn), platforms=["cuda"])(*args)``, Triton custom
+    calls allowed (they carry no serialization-compatibility promise; lowering is what
+    counts). Skips where this jaxlib cannot lower Pallas GPU (Triton) kernels."""
+    import pytest
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    try:
+        exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                     disabled_checks=checks)(*args)
+    except ValueError as e:
+        if "install jaxlib GPU" in str(e):
+            pytest.skip("this jaxlib cannot lower Pallas GPU (Triton) kernels without the CUDA "
+                        "plugin; the interpret-mode tests cover the kernels' numerics")
+        raise
+    return exported.mlir_module()
+
+
 def value_and_grad(impl, inp, cfg, jit=True, **kw):
     def fn(z):
         return grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=cfg, impl=impl,

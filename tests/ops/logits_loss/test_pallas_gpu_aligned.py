@@ -19,7 +19,7 @@ from grpo_kernels import GRPOLossConfig, PallasBlockSizes, PallasOptions, grpo_l
 from grpo_kernels.ops.logits_loss import pallas_gpu
 from grpo_kernels.ops.logits_loss import pallas_gpu_aligned as aligned
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
-from tests.helpers import reference_value_and_grad, rel_err
+from tests.helpers import cuda_module, reference_value_and_grad, rel_err
 from tests.ops.logits_loss.test_impls import assert_matches_reference
 
 
@@ -167,16 +167,7 @@ def test_lowers_for_cuda_at_the_benchmark_shapes(b, t):
                          options=PallasOptions(kernel="gpu", gpu_layout="aligned",
                                                interpret=False))
 
-    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    try:
-        exported = jax.export.export(jax.jit(jax.value_and_grad(f, has_aux=True)),
-                                     platforms=["cuda"], disabled_checks=checks)(*args)
-    except ValueError as e:
-        if "install jaxlib GPU" in str(e):
-            pytest.skip("this jaxlib cannot lower Pallas GPU (Triton) kernels without the CUDA "
-                        "plugin; interpret-mode tests above cover the layout's numerics")
-        raise
-    text = exported.mlir_module()
+    text = cuda_module(jax.value_and_grad(f, has_aux=True), *args)
     assert text.count("__gpu$xla.gpu.triton") == 4
     for name in ("grpo_aligned_statistics", "grpo_edge_statistics", "grpo_aligned_gradient",
                  "grpo_edge_gradient"):

@@ -19,8 +19,8 @@ from grpo_kernels import GRPOLossConfig, PallasBlockSizes, PallasOptions, grpo_l
 from grpo_kernels.objective import token_separable
 from grpo_kernels.ops.logits_loss import pallas_gpu_one_pass as one_pass
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
-from tests.helpers import (family_grid, family_id, grid_id, loss_grid_split, option_grid,
-                           option_id, reference_value_and_grad, rel_err)
+from tests.helpers import (cuda_module, family_grid, family_id, grid_id, loss_grid_split,
+                           option_grid, option_id, reference_value_and_grad, rel_err)
 from tests.ops.logits_loss.test_impls import assert_matches_reference
 from tests.ops.logits_loss.test_pallas_gpu_aligned import SHAPES
 
@@ -185,16 +185,7 @@ def _export_for_cuda(cfg, b, t, v, sampler_weights=False):
                          options=PallasOptions(kernel="gpu", one_pass=True, interpret=False),
                          **kw)
 
-    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    try:
-        exported = jax.export.export(jax.jit(jax.value_and_grad(f, has_aux=True)),
-                                     platforms=["cuda"], disabled_checks=checks)(*args)
-    except ValueError as e:
-        if "install jaxlib GPU" in str(e):
-            pytest.skip("this jaxlib cannot lower Pallas GPU (Triton) kernels without the CUDA "
-                        "plugin; interpret-mode tests above cover the kernel's numerics")
-        raise
-    text = exported.mlir_module()
+    text = cuda_module(jax.value_and_grad(f, has_aux=True), *args)
     assert text.count("__gpu$xla.gpu.triton") == 1 and "grpo_gpu_one_pass" in text
 
 
