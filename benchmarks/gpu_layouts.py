@@ -191,24 +191,25 @@ def measure(n: int, vocab: int, block_vocab: int | None, iters: int, rounds: int
     """The layout A/B's JSON rows of one shape."""
     cfg, inp, z, ids, coef = _inputs(n, vocab)
     interpret = _interpret()
+
+    def step(impl: str, **options):
+        """The jitted value_and_grad of the loss on ``impl`` (pallas: the GPU kernel with
+        ``options``)."""
+        opts = (PallasOptions(kernel="gpu", blocks=PallasBlockSizes(block_vocab=block_vocab),
+                              **options) if impl == "pallas" else None)
+        return jax.jit(jax.value_and_grad(lambda z: grpo_loss(
+            z, inp.ids, inp.mask, inp.advantages, config=cfg, impl=impl, options=opts,
+            **inp.kwargs())[0]))
+
     fns, outs = {}, {}
     for layout in LAYOUTS:
         blocks = pallas_gpu.plan_blocks(vocab, block_vocab, layout)
-        opts = PallasOptions(kernel="gpu", gpu_layout=layout,
-                             blocks=PallasBlockSizes(block_vocab=block_vocab))
-        step = jax.jit(jax.value_and_grad(lambda z, o=opts: grpo_loss(
-            z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="pallas", options=o,
-            **inp.kwargs())[0]))
-        fns[layout] = {**_kernels(z, ids, coef, blocks, interpret), "step": step}
-        outs[layout] = step(inp.logits)
-    one_pass = PallasOptions(kernel="gpu", one_pass=True,
-                             blocks=PallasBlockSizes(block_vocab=block_vocab))
-    fns["one_pass"] = {"step": jax.jit(jax.value_and_grad(lambda z: grpo_loss(
-        z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="pallas", options=one_pass,
-        **inp.kwargs())[0]))}
-    outs["one_pass"] = fns["one_pass"]["step"](inp.logits)
-    fns["xla"] = {"step": jax.jit(jax.value_and_grad(lambda z: grpo_loss(
-        z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="xla", **inp.kwargs())[0]))}
+        fns[layout] = {**_kernels(z, ids, coef, blocks, interpret),
+                       "step": step("pallas", gpu_layout=layout)}
+    fns["one_pass"] = {"step": step("pallas", one_pass=True)}
+    for name in fns:
+        outs[name] = fns[name]["step"](inp.logits)
+    fns["xla"] = {"step": step("xla")}
     fns["xla_copy"] = {"step": jax.jit(lambda z: z + jnp.asarray(1, z.dtype))}
     times = _times(fns, {"stats": (z,), "grad": (z,), "step": (inp.logits,)}, iters, rounds)
     nbytes = z.size * z.dtype.itemsize

@@ -291,22 +291,25 @@ def test_one_pass_odd_shapes_match_reference(b, t, v):
     assert_matches_reference("pallas", inp, cfg, options=opts)
 
 
-def _kernel_names(cfg, options):
+TPU_KERNELS = ("grpo_one_pass", "grpo_row_statistics", "grpo_logits_gradient")
+
+
+def kernel_names(cfg, options, names=TPU_KERNELS, grad=True):
+    """Which of the kernels ``names`` the loss (with ``grad``, its value_and_grad) calls."""
     inp = random_inputs(0, 2, 9, 300, jnp.float32, cfg)
     f = lambda z: grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="pallas",
                             options=options, **inp.kwargs())[0]
-    text = str(jax.make_jaxpr(jax.value_and_grad(f))(inp.logits))
-    return {n for n in ("grpo_one_pass", "grpo_row_statistics", "grpo_logits_gradient")
-            if n in text}
+    text = str(jax.make_jaxpr(jax.value_and_grad(f) if grad else f)(inp.logits))
+    return {n for n in names if n in text}
 
 
 def test_one_pass_is_the_tpu_default_for_token_separable_configs():
     tpu = PallasOptions(kernel="tpu")
-    assert _kernel_names(GRPOLossConfig(), tpu) == {"grpo_one_pass"}
+    assert kernel_names(GRPOLossConfig(), tpu) == {"grpo_one_pass"}
     two = {"grpo_row_statistics", "grpo_logits_gradient"}
-    assert _kernel_names(GRPOLossConfig(importance_sampling_level="sequence"), tpu) == two
-    assert _kernel_names(GRPOLossConfig(top_entropy_quantile=0.5, entropy_coef=0.1), tpu) == two
-    assert _kernel_names(GRPOLossConfig(), dataclasses.replace(tpu, one_pass=False)) == two
+    assert kernel_names(GRPOLossConfig(importance_sampling_level="sequence"), tpu) == two
+    assert kernel_names(GRPOLossConfig(top_entropy_quantile=0.5, entropy_coef=0.1), tpu) == two
+    assert kernel_names(GRPOLossConfig(), dataclasses.replace(tpu, one_pass=False)) == two
     # the two kernels on a token-level config still match the reference
     cfg = GRPOLossConfig(loss_type="bnpo", beta=0.04)
     inp = random_inputs(9, 3, 7, 300, jnp.float32, cfg)

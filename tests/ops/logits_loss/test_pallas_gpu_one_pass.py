@@ -22,6 +22,7 @@ from grpo_kernels.ops.logits_loss.inputs import random_inputs
 from tests.helpers import (cuda_module, family_grid, family_id, grid_id, loss_grid_split,
                            option_grid, option_id, reference_value_and_grad, rel_err)
 from tests.ops.logits_loss.test_impls import assert_matches_reference
+from tests.ops.logits_loss.test_pallas import kernel_names
 from tests.ops.logits_loss.test_pallas_gpu_aligned import SHAPES
 
 
@@ -124,13 +125,7 @@ def test_masked_vocabulary_and_nan_as_the_two_kernels():
     assert np.isnan(float(logp[1, 2])) and not np.isnan(np.asarray(logp)[0]).any()
 
 
-def _kernel_names(cfg, options, grad=True):
-    inp = random_inputs(0, 2, 9, 300, jnp.float32, cfg)
-    f = lambda z: grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="pallas",
-                            options=options, **inp.kwargs())[0]
-    text = str(jax.make_jaxpr(jax.value_and_grad(f) if grad else f)(inp.logits))
-    return {n for n in ("grpo_gpu_one_pass", "grpo_tile_statistics", "grpo_tile_gradient")
-            if n in text}
+GPU_KERNELS = ("grpo_gpu_one_pass", "grpo_tile_statistics", "grpo_tile_gradient")
 
 
 def test_the_one_pass_gpu_kernel_runs_only_when_asked():
@@ -138,10 +133,11 @@ def test_the_one_pass_gpu_kernel_runs_only_when_asked():
     without a gradient needs the statistics alone."""
     gpu = PallasOptions(kernel="gpu")
     two = {"grpo_tile_statistics", "grpo_tile_gradient"}
-    assert _kernel_names(GRPOLossConfig(), gpu) == two
+    assert kernel_names(GRPOLossConfig(), gpu, GPU_KERNELS) == two
     asked = dataclasses.replace(gpu, one_pass=True)
-    assert _kernel_names(GRPOLossConfig(), asked) == {"grpo_gpu_one_pass"}
-    assert _kernel_names(GRPOLossConfig(), asked, grad=False) == {"grpo_tile_statistics"}
+    assert kernel_names(GRPOLossConfig(), asked, GPU_KERNELS) == {"grpo_gpu_one_pass"}
+    assert kernel_names(GRPOLossConfig(), asked, GPU_KERNELS, grad=False) == {
+        "grpo_tile_statistics"}
 
 
 def test_plan_and_blocks():

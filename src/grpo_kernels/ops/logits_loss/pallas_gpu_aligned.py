@@ -127,11 +127,38 @@ def edge_segments(x_ref, vocab: int, align: int, full: int, block_vocab: int, wi
     return segments
 
 
+def edge_stats(x_ref, vocab: int, align: int, full: int, block_vocab: int, width: int,
+               scale: float, row=None):
+    """``(m, S, Q)`` of the row's elements outside its full tiles (:func:`edge_segments`;
+    ``scale`` is ``log2(e) / tau``, as for the tiles)."""
+    segments = edge_segments(x_ref, vocab, align, full, block_vocab, width, -jnp.inf, row)
+    return functools.reduce(merge_stats,
+                            [stats_base2(x.astype(_F32) * scale) for _, x, _, _ in segments])
+
+
+def store_edge_grad(x_ref, o_ref, vocab: int, align: int, full: int, block_vocab: int,
+                    width: int, inv_tau: float, y, lse, coef, hcoef, ent, row=None) -> None:
+    """Writes :func:`softmax_grad` of the row's elements outside its full tiles, chosen
+    column included when it lies there, into ``o_ref`` (masked stores)."""
+    for start, x, cols, mask in edge_segments(x_ref, vocab, align, full, block_vocab, width,
+                                              0.0, row):
+        u = x.astype(_F32) * inv_tau - lse
+        d = softmax_grad(u, cols == y, coef, hcoef, ent).astype(o_ref.dtype)
+        plgpu.store(o_ref.at[pl.ds(start, x.shape[0])], d, mask=mask)
+
+
+def not_chosen_grad(p, t, a, hc2):
+    """A full tile's gradient in base 2, the not-chosen case of :func:`softmax_grad`:
+    ``-p (c + c_h (u + H)) = -p (a + hc2 t)`` with ``t = u log2 e``, ``p = 2^t``,
+    ``a = c + c_h H`` and ``hc2 = c_h ln 2`` (``None``: no entropy term). ``t`` is floored at
+    ``GRAD_FLOOR`` so that a ``-inf`` logit gives 0, not ``0 * -inf``."""
+    return -p * (a if hc2 is None else a + hc2 * jnp.maximum(t, GRAD_FLOOR))
+
+
 def _stats_edge_kernel(x_ref, m_ref, s_ref, q_ref, *, block_vocab, scale, vocab, align, full,
                        width):
-    segments = edge_segments(x_ref, vocab, align, full, block_vocab, width, -jnp.inf)
-    parts = [stats_base2(x.astype(_F32) * scale) for _, x, _, _ in segments]
-    m_ref[...], s_ref[...], q_ref[...] = functools.reduce(merge_stats, parts)
+    m_ref[...], s_ref[...], q_ref[...] = edge_stats(x_ref, vocab, align, full, block_vocab,
+                                                    width, scale)
 
 
 def _grad_tile_kernel(x_ref, lse_ref, a_ref, *rest, block_vocab, scale, vocab, align,
@@ -144,8 +171,7 @@ def _grad_tile_kernel(x_ref, lse_ref, a_ref, *rest, block_vocab, scale, vocab, a
     x = plgpu.load(x_ref.at[pl.ds(start, block_vocab)])
     t = x.astype(_F32) * scale - lse_ref[...]  # u log2 e, u = s - lse
     p = jnp.exp2(t)  # traced before the row factors are read (see pallas_gpu._grad_kernel)
-    a = a_ref[...]
-    d = -p * (a + rest[0][...] * jnp.maximum(t, GRAD_FLOOR) if with_entropy else a)
+    d = not_chosen_grad(p, t, a_ref[...], rest[0][...] if with_entropy else None)
     plgpu.store(o_ref.at[pl.ds(start, block_vocab)], d.astype(o_ref.dtype))
 
 
@@ -156,10 +182,8 @@ def _grad_edge_kernel(x_ref, id_ref, lse_ref, coef_ref, zy_ref, *rest, block_voc
     o_ref = rest[-1]
     hcoef, ent = (rest[0][...], rest[1][...]) if with_entropy else (None, None)
     lse, coef, y = lse_ref[...], coef_ref[...], id_ref[...]
-    for start, x, cols, mask in edge_segments(x_ref, vocab, align, full, block_vocab, width, 0.0):
-        u = x.astype(_F32) * inv_tau - lse
-        d = softmax_grad(u, cols == y, coef, hcoef, ent).astype(o_ref.dtype)
-        plgpu.store(o_ref.at[pl.ds(start, x.shape[0])], d, mask=mask)
+    store_edge_grad(x_ref, o_ref, vocab, align, full, block_vocab, width, inv_tau, y, lse, coef,
+                    hcoef, ent)
     # The chosen column when a full tile holds it (the tile wrote the not-chosen value there).
     base, head = row_start(vocab, align)
     in_tiles = (y >= head) & (y < head + full * block_vocab)

@@ -45,7 +45,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from grpo_kernels.compat import out_struct
 from grpo_kernels.ops.core.options import check_int
-from grpo_kernels.ops.core.online_softmax import GRAD_FLOOR, finish, merge_stats, softmax_grad
+from grpo_kernels.ops.core.online_softmax import finish, merge_stats
 from grpo_kernels.ops.logits_loss import pallas_gpu_aligned as aligned
 
 Array = jax.Array
@@ -118,10 +118,9 @@ def _kernel(x_ref, id_ref, zy_ref, *refs, vocab, align, full, width, block_vocab
             return merge_stats(c, aligned.stats_base2(t))
 
         empty = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0))
-        c = jax.lax.fori_loop(0, full, stats_tile, empty)
-        for _, x, _, _ in aligned.edge_segments(x_ref, vocab, align, full, block_vocab, width,
-                                        -jnp.inf, r):
-            c = merge_stats(c, aligned.stats_base2(x.astype(_F32) * scale))
+        c = merge_stats(jax.lax.fori_loop(0, full, stats_tile, empty),
+                        aligned.edge_stats(x_ref, vocab, align, full, block_vocab, width, scale,
+                                           r))
         y = id_ref[r]
         logp, lse, ent = finish(*c, zy_ref[r].astype(_F32) * inv_tau)
         rg = row_grad(logp, {k: ref[r] for k, ref in zip(names, col_refs)})
@@ -129,22 +128,18 @@ def _kernel(x_ref, id_ref, zy_ref, *refs, vocab, align, full, width, block_vocab
         hcoef = None if rg.h is None else rg.h * inv_tau
         # Tiles in base 2: t = u log2 e, p = 2^t, and c_h p u = (c_h ln 2) p t.
         a = coef if hcoef is None else coef + hcoef * ent
+        hc2 = None if hcoef is None else hcoef * _LN2
         lse2 = lse * _LOG2E
 
         def grad_tile(k, _):
-            x = plgpu.load(x_ref.at[tile(k)])
-            t = x.astype(_F32) * scale - lse2
-            p = jnp.exp2(t)
-            d = -p * (a if hcoef is None else a + (hcoef * _LN2) * jnp.maximum(t, GRAD_FLOOR))
+            t = plgpu.load(x_ref.at[tile(k)]).astype(_F32) * scale - lse2
+            d = aligned.not_chosen_grad(jnp.exp2(t), t, a, hc2)
             d = d + jnp.where(idx == y - head - k * block_vocab, coef, 0.0)
             plgpu.store(o_ref.at[tile(k)], d.astype(o_ref.dtype))
 
         jax.lax.fori_loop(0, full, grad_tile, None)
-        for start, x, cols, mask in aligned.edge_segments(x_ref, vocab, align, full, block_vocab,
-                                                  width, 0.0, r):
-            u = x.astype(_F32) * inv_tau - lse
-            d = softmax_grad(u, cols == y, coef, hcoef, ent)
-            plgpu.store(o_ref.at[pl.ds(start, x.shape[0])], d.astype(o_ref.dtype), mask=mask)
+        aligned.store_edge_grad(x_ref, o_ref, vocab, align, full, block_vocab, width, inv_tau, y,
+                                lse, coef, hcoef, ent, r)
         logp_ref[r], ent_ref[r] = logp, ent
 
     jax.lax.fori_loop(0, (n - pid + programs - 1) // programs, one_row, None)
@@ -158,9 +153,8 @@ def one_pass(z: Array, ids: Array, columns: dict[str, Array | None], row_grad: C
 
     ``N V`` must stay below ``2^31`` (int32 offsets, checked).
     """
-    n, vocab, align, full, width = aligned.plan_rows(z, blocks.block_vocab,
-                                                 "the one-pass GPU kernel",
-                                                 "PallasOptions(one_pass=False)")
+    n, vocab, align, full, width = aligned.plan_rows(
+        z, blocks.block_vocab, "the one-pass GPU kernel", "PallasOptions(one_pass=False)")
     names = tuple(k for k, v in columns.items() if v is not None)
     cols = [columns[k].astype(_F32).reshape(n) for k in names]
     args = (ids.astype(jnp.int32), aligned.chosen_logits(z, ids), *cols)
