@@ -3,7 +3,7 @@ one process (proof phases).
 
     python3 benchmarks/gpu_layouts.py                       # the issue's shapes, on a GPU
     python3 benchmarks/gpu_layouts.py --tilings 4096x4,8192x8,16384x8   # the tiling sweep
-    python3 benchmarks/gpu_layouts.py --one-pass-tilings 8192x8x132,16384x16x132  # one-pass's
+    python3 benchmarks/gpu_layouts.py --one-pass-tilings 8192x8x264x1,16384x16x132x3  # one-pass
     python3 benchmarks/gpu_layouts.py --shapes 16x300 --block-vocab 128 --iters 2   # a CPU smoke
 
 For each ``N x V`` (bf16 logits, the default loss with old and reference log-probs), and each
@@ -18,10 +18,10 @@ for the one-pass step (its HBM bytes when the second read hits L2).
 With ``--tilings`` (vocabulary tile x warps per program), the tiling sweep instead: the aligned
 layout's two kernels at ``pallas_gpu.plan_blocks``'s tiling (the row named ``aligned``) and at
 each given one (``aligned_<tile>x<warps>``), each one's dlogits compared with the planner's.
-With ``--one-pass-tilings`` (tile x warps x persistent programs), the one-pass kernel alone
-at ``pallas_gpu_one_pass.plan_blocks``'s tiling (row ``one_pass``) and at each given one
-(``one_pass_<tile>x<warps>x<programs>``), timed as ``kernel_ms``, dlogits against the
-planner's.
+With ``--one-pass-tilings`` (tile x warps x persistent programs [x load stages]), the one-pass
+kernel alone at ``pallas_gpu_one_pass.plan_blocks``'s tiling (row ``one_pass``) and at each
+given one (``one_pass_<tile>x<warps>x<programs>x<stages>``; stages default to the planner's),
+timed as ``kernel_ms``, dlogits against the planner's.
 
 Everything alternates over ``--rounds`` rounds and each figure is the mean of its rounds'
 medians. One JSON line per measurement; off a GPU the kernels are interpreted (numbers only,
@@ -76,14 +76,20 @@ def tiling_list(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def one_pass_list(text: str) -> list[tuple[int, int, int]]:
-    """``"BVxWxP,..."`` -> ``[(block_vocab, num_warps, programs), ...]`` (empty text: none)."""
+def one_pass_list(text: str) -> list[pallas_gpu_one_pass.OnePassBlocks]:
+    """``"BVxWxP[xS],..."`` -> the one-pass tilings (block_vocab, num_warps, programs, load
+    stages; stages default to ``plan_blocks``'s); empty text: none."""
     out = _pairs(text)
-    if out is None or any(len(t) != 3 or not _tiling_ok(t) or t[2] < 1 for t in out):
+    stages = pallas_gpu_one_pass.MAX_STAGES
+    if out is None or any(len(t) not in (3, 4) or not _tiling_ok(t) or t[2] < 1
+                          or (len(t) == 4 and not 1 <= t[3] <= stages) for t in out):
         raise argparse.ArgumentTypeError(
-            f"--one-pass-tilings wants tile x warps x programs triples (a power of two x 1, 2, "
-            f"4, 8, 16 or 32 x >= 1) like 8192x8x132,16384x16x132, got {text!r}")
-    return out
+            f"--one-pass-tilings wants tile x warps x programs [x load stages] (a power of "
+            f"two x 1, 2, 4, 8, 16 or 32 x >= 1 [x 1 to {stages}]) like "
+            f"8192x8x264x1,16384x16x132, got {text!r}")
+    planned = pallas_gpu_one_pass.plan_blocks(1, 1).stages
+    return [pallas_gpu_one_pass.OnePassBlocks(*t[:3], t[3] if len(t) == 4 else planned)
+            for t in out]
 
 
 def _tiling_ok(t: tuple[int, ...]) -> bool:
@@ -167,20 +173,20 @@ def _one_pass_kernel(z, ids, blocks, interpret: bool):
         interpret=interpret)[2])
 
 
-def measure_one_pass(n: int, vocab: int, tilings: list[tuple[int, int, int]], iters: int,
-                     rounds: int) -> list[dict]:
+def measure_one_pass(n: int, vocab: int, tilings: list[pallas_gpu_one_pass.OnePassBlocks],
+                     iters: int, rounds: int) -> list[dict]:
     """The one-pass sweep's JSON rows of one shape."""
     _, _, z, ids, _ = _inputs(n, vocab)
     interpret = _interpret()
     blocks = {"one_pass": pallas_gpu_one_pass.plan_blocks(n, vocab)}
-    blocks.update({f"one_pass_{bv}x{w}x{p}": pallas_gpu_one_pass.OnePassBlocks(bv, w, p)
-                   for bv, w, p in tilings})
+    blocks.update({f"one_pass_{b.block_vocab}x{b.num_warps}x{b.programs}x{b.stages}": b
+                   for b in tilings})
     fns = {name: {"kernel": _one_pass_kernel(z, ids, b, interpret)}
            for name, b in blocks.items()}
     times = _times(fns, {"kernel": (z,)}, iters, rounds)
     planned = fns["one_pass"]["kernel"](z)
     return [_row(n, vocab, name, fns[name], times, block_vocab=b.block_vocab,
-                 num_warps=b.num_warps, programs=b.programs,
+                 num_warps=b.num_warps, programs=b.programs, stages=b.stages,
                  kernel_bytes_per_s=2 * z.size * z.dtype.itemsize / (
                      statistics.mean(times[(name, "kernel")]) * 1e-3),
                  dlogits_max_rel_diff_to_planned=_rel(fns[name]["kernel"](z), planned))
@@ -239,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                    "planner's")
     p.add_argument("--one-pass-tilings", type=one_pass_list, default=[],
                    help="the one-pass sweep instead of the layout A/B: the one-pass kernel at "
-                   "these tilings (tile x warps x persistent programs, e.g. 16384x16x132) and "
-                   "the planner's")
+                   "these tilings (tile x warps x persistent programs [x load stages], e.g. "
+                   "16384x16x132x3) and the planner's")
     p.add_argument("--iters", type=int, default=20, help="timed calls per median")
     p.add_argument("--rounds", type=int, default=2, help="rounds the layouts alternate over")
     args = p.parse_args(argv)

@@ -5,16 +5,16 @@
     python3 benchmarks/triton_static.py --triton-python /tmp/tv/bin/python --layouts aligned \
         --block-vocab 4096,8192 --num-warps 4,8      # other tilings
     python3 benchmarks/triton_static.py --triton-python /tmp/tv/bin/python --layouts one_pass \
-        --block-vocab 8192,16384,32768 --num-warps 8,16,32   # the one-pass kernel
+        --block-vocab 8192,16384,32768 --num-warps 8,16,32 --stages 1,2   # the one-pass kernel
 
 The CPU jaxlib lowers the Pallas GPU kernels to Triton IR; ``pallas_call(debug=True)`` prints
-it. This script lowers each layout's ``value_and_grad`` pieces (statistics and gradient, at
-the default tiling or each of the given ones) at ``N x V``, strips the printed debug
-locations, and hands each module to the given Triton, which compiles it for sm_90 (ptxas and
-cuobjdump ship with it). It prints one JSON line per kernel (with its layout, shape and
-tiling): registers per thread, SASS instructions, global loads and stores by width, ``ex2``
-count and barriers. A kernel's occupancy follows from its registers (65,536 per
-multiprocessor). Times still need the GPU (``make gpu-proof``).
+it. This script lowers each layout's ``value_and_grad`` pieces (statistics and gradient, at the
+default tiling or each of the given ones) at ``N x V``, strips the printed debug locations, and
+hands each module to the given Triton, which compiles it for sm_90 (ptxas and cuobjdump ship
+with it). It prints one JSON line per kernel (with its layout, shape and tiling): registers per
+thread, stack bytes (spills), SASS instructions, global loads and stores by width, ``ex2`` count
+and barriers. A kernel's occupancy follows from its registers (65,536 per multiprocessor). Times
+still need the GPU (``make gpu-proof``).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ for path, warps, meta in json.loads(sys.argv[1]):
     print(json.dumps({
         "kernel": os.path.basename(path)[:-5], **meta, "num_warps": warps,
         "registers": int(re.search(r"REG:(\d+)", res).group(1)),
+        "stack_bytes": int(re.search(r"STACK:(\d+)", res).group(1)),
         "sass_instructions": len(ins),
         "loads": dict(collections.Counter(re.findall(r"ld\.global[.\w]*", ptx))),
         "stores": dict(collections.Counter(re.findall(r"st\.global[.\w]*", ptx))),
@@ -126,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-vocab", default="",
                    help="comma list of vocabulary tiles (default: plan_blocks's)")
     p.add_argument("--num-warps", default="", help="comma list (default: plan_blocks's)")
+    p.add_argument("--stages", default="",
+                   help="comma list of the one-pass kernel's load stages (default: "
+                   "plan_blocks's)")
     args = p.parse_args(argv)
     layouts = args.layouts.split(",")
     if not set(layouts) <= set(KINDS):
@@ -133,23 +137,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tiles = [int(x) for x in args.block_vocab.split(",") if x] or [None]
         warps = [int(x) for x in args.num_warps.split(",") if x] or [None]
+        stages = [int(x) for x in args.stages.split(",") if x] or [None]
     except ValueError:
-        p.error(f"--block-vocab and --num-warps want comma lists of integers, got "
-                f"{args.block_vocab!r} and {args.num_warps!r}")
+        p.error(f"--block-vocab, --num-warps and --stages want comma lists of integers, got "
+                f"{args.block_vocab!r}, {args.num_warps!r} and {args.stages!r}")
+    if stages != [None] and layouts != ["one_pass"]:
+        p.error("--stages is the one-pass kernel's: give it with --layouts one_pass")
     with tempfile.TemporaryDirectory() as tmp:
         todo = []
-        for layout, tile, warp in itertools.product(layouts, tiles, warps):
-            blocks = (pallas_gpu_one_pass.plan_blocks(args.rows, args.vocab, tile)
-                      if layout == "one_pass" else pallas_gpu.plan_blocks(args.vocab, tile,
-                                                                          layout))
+        for layout, tile, warp, stage in itertools.product(layouts, tiles, warps, stages):
+            if layout == "one_pass":
+                blocks = pallas_gpu_one_pass.plan_blocks(args.rows, args.vocab, tile)
+                blocks = dataclasses.replace(blocks, stages=stage or blocks.stages)
+            else:
+                blocks = pallas_gpu.plan_blocks(args.vocab, tile, layout)
             blocks = dataclasses.replace(blocks, num_warps=warp or blocks.num_warps)
             for i, (name, text) in enumerate(triton_modules(args.rows, args.vocab,
                                                             jnp.dtype(args.dtype), blocks)):
-                path = Path(tmp) / f"{layout}_bv{blocks.block_vocab}_{i}_{name}.ttir"
+                extra = {"stages": blocks.stages} if layout == "one_pass" else {}
+                tag = "".join(f"_s{v}" for v in extra.values())  # one file per variant
+                path = Path(tmp) / (f"{layout}_bv{blocks.block_vocab}_w{blocks.num_warps}{tag}_"
+                                    f"{i}_{name}.ttir")
                 path.write_text(text)
                 todo.append((str(path), blocks.num_warps, {
                     "layout": layout, "rows": args.rows, "vocab": args.vocab,
-                    "dtype": args.dtype, "block_vocab": blocks.block_vocab}))
+                    "dtype": args.dtype, "block_vocab": blocks.block_vocab, **extra}))
         r = subprocess.run([args.triton_python, "-c", _COMPILE, json.dumps(todo)],
                            capture_output=True, text=True)
         sys.stdout.write(r.stdout)

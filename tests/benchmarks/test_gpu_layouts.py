@@ -13,8 +13,10 @@ def test_lists_parse():
     assert gpu_layouts.shape_list("2048x151643,8x300") == [(2048, 151643), (8, 300)]
     assert gpu_layouts.tiling_list("4096x4,16384x8") == [(4096, 4), (16384, 8)]
     assert gpu_layouts.tiling_list("") == []
-    assert gpu_layouts.one_pass_list("16384x16x132,8192x8x264") == [(16384, 16, 132),
-                                                                  (8192, 8, 264)]
+    blocks = gpu_layouts.pallas_gpu_one_pass.OnePassBlocks
+    planned = gpu_layouts.pallas_gpu_one_pass.plan_blocks(1, 1).stages
+    assert gpu_layouts.one_pass_list("16384x16x132,8192x8x264x1") == [
+        blocks(16384, 16, 132, planned), blocks(8192, 8, 264, 1)]
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -28,10 +30,14 @@ def test_lists_parse():
     (["--one-pass-tilings", "8192x8"], "--one-pass-tilings wants tile x warps x programs"),
     (["--one-pass-tilings", "8192x64x132"], "--one-pass-tilings wants tile x warps x programs"),
     (["--one-pass-tilings", "8192x8x0"], "--one-pass-tilings wants tile x warps x programs"),
+    (["--one-pass-tilings", "8192x8x132x0"], "--one-pass-tilings wants tile x warps x"),
+    (["--one-pass-tilings", "8192x8x132x5"], "[x 1 to 4]"),
+    (["--one-pass-tilings", "8192x8x132x2x1"], "--one-pass-tilings wants tile x warps x"),
     (["--one-pass-tilings", "256x4x3", "--block-vocab", "128"], "the sweeps take --tilings or"),
     (["--one-pass-tilings", "256x4x3", "--tilings", "256x4"], "two sweeps: give one"),
 ], ids=["no-x", "zero-rows", "tile-not-pow2", "odd-warps", "no-warps", "iters", "both",
-        "one-pass-pair", "one-pass-warps", "one-pass-programs", "one-pass-block-vocab",
+        "one-pass-pair", "one-pass-warps", "one-pass-programs", "one-pass-no-stages",
+        "one-pass-stages", "one-pass-five", "one-pass-block-vocab",
         "two-sweeps"])
 def test_bad_arguments_name_the_flag(capsys, argv, match):
     with pytest.raises(SystemExit) as e:

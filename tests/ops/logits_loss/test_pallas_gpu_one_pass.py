@@ -26,10 +26,11 @@ from tests.ops.logits_loss.test_pallas import kernel_names
 from tests.ops.logits_loss.test_pallas_gpu_aligned import SHAPES
 
 
-def _options(block_vocab: int = 128, programs: int | None = 4, **kw) -> PallasOptions:
+def _options(block_vocab: int = 128, programs: int | None = 4, stages: int | None = None,
+             **kw) -> PallasOptions:
     """Four programs by default: the 21 rows below leave them 6, 5, 5 and 5 rows."""
     return PallasOptions(kernel="gpu", one_pass=True, blocks=PallasBlockSizes(
-        block_vocab=block_vocab, gpu_programs=programs), **kw)
+        block_vocab=block_vocab, gpu_programs=programs, gpu_stages=stages), **kw)
 
 
 def _f32(d):
@@ -76,13 +77,15 @@ def test_family_matches_reference(index):
 def test_odd_shapes_match_reference(index):
     """The aligned addressing's shapes (every head length, zero to two full tiles, rows
     shorter than a vector), with programs that do not divide the rows and more programs than
-    rows (the planner caps them at N)."""
+    rows (the planner caps them at N), and every count of load stages: more tiles ahead than
+    the row has (loads clamped to its last tile) and none."""
     b, t, v, dtype = SHAPES[index]
     cfg = GRPOLossConfig(loss_type="dapo", beta=0.04, delta=2.0, temperature=0.7,
                          entropy_coef=0.02)
     inp = random_inputs(200 + index, b, t, v, dtype, cfg)
-    programs = (1, 4, 64)[index % 3]
-    assert_matches_reference("pallas", inp, cfg, options=_options(programs=programs))
+    programs, stages = (1, 4, 64)[index % 3], (3, 4, 1, 2)[index % 4]
+    assert_matches_reference("pallas", inp, cfg,
+                             options=_options(programs=programs, stages=stages))
 
 
 def test_dlogits_into_the_donated_logits_buffer():
@@ -144,13 +147,19 @@ def test_plan_and_blocks():
     assert one_pass.plan_blocks(2048, 151_643, programs=None).block_vocab == 16384
     assert one_pass.plan_blocks(2048, 300).block_vocab == 512
     assert one_pass.plan_blocks(5, 300, programs=64).programs == 5
+    assert one_pass.plan_blocks(5, 300).stages == 2
+    assert one_pass.plan_blocks(5, 300, stages=3).stages == 3
     assert 1 <= one_pass.default_programs(3) <= 3
-    for field, value in (("block_vocab", 100), ("num_warps", 6), ("programs", 0)):
+    for field, value in (("block_vocab", 100), ("num_warps", 6), ("programs", 0),
+                         ("stages", 0), ("stages", 5)):
         kw = {"block_vocab": 128, "num_warps": 4, "programs": 2, field: value}
         with pytest.raises(ValueError, match=f"OnePassBlocks.{field} must be"):
             one_pass.OnePassBlocks(**kw)
     with pytest.raises(ValueError, match="PallasBlockSizes.gpu_programs must be None or an int"):
         PallasBlockSizes(gpu_programs=0)
+    with pytest.raises(ValueError, match=r"PallasBlockSizes.gpu_stages must be at most 4 "
+                       r"\(each load stage holds a tile in registers\), got 5"):
+        PallasBlockSizes(gpu_stages=5)
 
 
 def test_int32_offsets_are_checked():

@@ -10,13 +10,16 @@ INTERPRET_CHOICES = (None, True, False, "hlo")
 
 
 def check_int(owner: str, name: str, value: Any, *, multiple: int = 1,
-              power_of_two: bool = False, why: str = "") -> None:
+              power_of_two: bool = False, maximum: int | None = None, why: str = "") -> None:
     """ValueError unless ``value`` is ``None`` or an int ``>= 1`` (a multiple of ``multiple``,
-    a power of two when asked); the message names ``owner.name`` and ``why``."""
+    a power of two when asked, at most ``maximum`` when given); the message names
+    ``owner.name`` and ``why``."""
     if value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{owner}.{name} must be None or an int >= 1, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{owner}.{name} must be at most {maximum}{why}, got {value}")
     if value % multiple:
         raise ValueError(f"{owner}.{name} must be a multiple of {multiple}{why}, got {value}")
     if power_of_two and value & (value - 1):

@@ -28,6 +28,7 @@ from grpo_kernels.ops.core.options import check_int, check_interpret, resolved_i
 from grpo_kernels.ops.core.validate import backend_kind
 from grpo_kernels.ops.core.vjp import loss_from_pieces, loss_with_gradient
 from grpo_kernels.ops.logits_loss import pallas_gpu, pallas_gpu_one_pass, pallas_tpu
+from grpo_kernels.ops.logits_loss.pallas_gpu_one_pass import STAGES_WHY
 
 Array = jax.Array
 
@@ -46,11 +47,15 @@ class PallasBlockSizes:
       gpu_programs: Persistent programs of the one-pass GPU kernel (each loops over every
         ``gpu_programs``-th row); ``None``: one per multiprocessor
         (:func:`~.pallas_gpu_one_pass.default_programs`).
+      gpu_stages: Load stages of the one-pass GPU kernel: tiles each sweep has loading at
+        once, 1 to ``MAX_STAGES`` (:class:`~.pallas_gpu_one_pass.OnePassBlocks`); ``None``:
+        its planner's (2).
     """
 
     block_rows: int | None = None
     block_vocab: int | None = None
     gpu_programs: int | None = None
+    gpu_stages: int | None = None
 
     def __post_init__(self) -> None:
         check_int("PallasBlockSizes", "block_rows", self.block_rows, multiple=16,
@@ -58,6 +63,8 @@ class PallasBlockSizes:
         check_int("PallasBlockSizes", "block_vocab", self.block_vocab, multiple=128,
                   power_of_two=True, why=" (TPU lanes; Triton block shapes)")
         check_int("PallasBlockSizes", "gpu_programs", self.gpu_programs)
+        check_int("PallasBlockSizes", "gpu_stages", self.gpu_stages,
+                  maximum=pallas_gpu_one_pass.MAX_STAGES, why=STAGES_WHY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +216,7 @@ def _one_pass_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
     blocks = options.blocks or PallasBlockSizes()
     if options.resolved_kernel() == "gpu":
         tiling = pallas_gpu_one_pass.plan_blocks(n, vocab, blocks.block_vocab,
-                                                 blocks.gpu_programs)
+                                                 blocks.gpu_programs, stages=blocks.gpu_stages)
         kernel = pallas_gpu_one_pass.one_pass
     else:
         tiling, kernel = _tpu_tiling(vocab, logits.dtype, options), pallas_tpu.one_pass

@@ -24,6 +24,10 @@ rows' lines would be gone before their second sweep. A step then moves ``2 V b``
 traffic per token, against the two kernels' ``3 V b``, if L2 holds; ``make gpu-proof``
 measures whether it does (``benchmarks/gpu_layouts.py``'s ``one_pass`` rows).
 
+One program per multiprocessor also means nothing else on it has loads in flight while the
+program reduces a tile, so each sweep keeps the next tiles' loads in flight meanwhile
+(``stages``, :func:`_sweep`).
+
 Rows are addressed as the ``"aligned"`` layout addresses them
 (:mod:`~grpo_kernels.ops.logits_loss.pallas_gpu_aligned`): full tiles on 16-byte boundaries,
 the head and tail of each row in masked segments. Unlike that layout's gradient tiles, these
@@ -58,19 +62,27 @@ PROGRAMS_PER_CORE = 1
 _FALLBACK_PROGRAMS = 132  # an H100 SXM's multiprocessors, when the device does not say
 
 
+MAX_STAGES = 4
+STAGES_WHY = " (each load stage holds a tile in registers)"
+
+
 @dataclasses.dataclass(frozen=True)
 class OnePassBlocks:
-    """Tiling of the one-pass GPU kernel: vocabulary tile (a power of two), warps per program
-    and persistent programs (each loops over every ``programs``-th row)."""
+    """Tiling of the one-pass GPU kernel: vocabulary tile (a power of two), warps per program,
+    persistent programs (each loops over every ``programs``-th row) and load stages: the
+    tiles each sweep has loading at once (1: load a tile, then work on it; ``s``: the loads of
+    the next ``s - 1`` tiles are issued before the work on this one, see :func:`_sweep`)."""
 
     block_vocab: int
     num_warps: int
     programs: int
+    stages: int = 2
 
     def __post_init__(self) -> None:
         check_int("OnePassBlocks", "block_vocab", self.block_vocab, power_of_two=True)
         check_int("OnePassBlocks", "num_warps", self.num_warps, power_of_two=True)
         check_int("OnePassBlocks", "programs", self.programs)
+        check_int("OnePassBlocks", "stages", self.stages, maximum=MAX_STAGES, why=STAGES_WHY)
 
 
 def default_programs(n: int) -> int:
@@ -81,24 +93,50 @@ def default_programs(n: int) -> int:
 
 
 def plan_blocks(n: int, vocab: int, block_vocab: int | None = None,
-                programs: int | None = None, num_warps: int = 16) -> OnePassBlocks:
+                programs: int | None = None, num_warps: int = 16,
+                stages: int | None = None) -> OnePassBlocks:
     """16384-column tiles and 16 warps (32 columns, four 16-byte vectors of bf16, per thread
-    and tile), :func:`default_programs` programs; each may be given instead.
+    and tile), :func:`default_programs` programs, two load stages; each may be given instead.
 
-    Not yet measured. Why this guess: with one program per multiprocessor, a tile is all the
-    memory traffic a multiprocessor has in flight (Triton does not prefetch the next tile of
-    these loops), so tiles are large: 32 KiB of bf16 against the ~20 KiB per multiprocessor
-    an H100 needs in flight to reach its bandwidth. ptxas gives this tiling 128 registers per
-    thread, exactly one 512-thread program per multiprocessor (docs/kernels.md).
+    Not yet measured. Why this guess: with one program per multiprocessor, the program's loads
+    are all the memory traffic a multiprocessor has in flight (Triton does not pipeline the
+    loads of these loops itself), so tiles are large, 32 KiB of bf16 against the ~20 KiB per
+    multiprocessor an H100 needs in flight to reach its bandwidth, and the next tile's load
+    is issued before the work on this one (two stages), so that the work does not leave the
+    memory idle. ptxas gives this tiling 128 registers per thread, exactly one 512-thread
+    program per multiprocessor (docs/kernels.md).
     """
     if block_vocab is None:
         block_vocab = min(16384, pl.next_power_of_2(vocab))
     return OnePassBlocks(block_vocab, num_warps,
-                         default_programs(n) if programs is None else min(programs, n))
+                         default_programs(n) if programs is None else min(programs, n),
+                         2 if stages is None else stages)
+
+
+def _sweep(load: Callable, full: int, stages: int, body: Callable, init):
+    """``fori_loop`` over a row's ``full`` tiles, ``body(k, tile, carry) -> carry``, with
+    ``stages - 1`` tiles loading ahead of the one being worked on.
+
+    The tiles ahead ride in the loop's carry: tile ``k + stages - 1``'s load (``load(k)``) is
+    issued at the top of iteration ``k``, and nothing waits for it until the iteration that
+    uses it, so the memory works while this iteration computes. Past the last tile the loads
+    repeat the last one, which L1 or L2 still holds: a masked load would cost Triton its
+    16-byte vectors (ptxas then issues one 2-byte load per element).
+    """
+    if stages == 1 or full == 0:
+        return jax.lax.fori_loop(0, full, lambda k, c: body(k, load(k), c), init)
+
+    def step(k, carry):
+        c, ahead = carry
+        ahead_next = (*ahead[1:], load(jnp.minimum(k + stages - 1, full - 1)))
+        return body(k, ahead[0], c), ahead_next
+
+    first = tuple(load(min(j, full - 1)) for j in range(stages - 1))
+    return jax.lax.fori_loop(0, full, step, (init, first))[0]
 
 
 def _kernel(x_ref, id_ref, zy_ref, *refs, vocab, align, full, width, block_vocab, inv_tau,
-            n, programs, names, row_grad):
+            n, programs, stages, names, row_grad):
     # refs: one [N] float32 column per name, then the outputs logp, entropy, dlogits.
     col_refs = refs[:len(names)]
     logp_ref, ent_ref, o_ref = refs[len(names):]
@@ -110,15 +148,22 @@ def _kernel(x_ref, id_ref, zy_ref, *refs, vocab, align, full, width, block_vocab
         r = pid + i * programs
         base, head = aligned.row_start(vocab, align, r)
 
-        def tile(k):
-            return pl.ds(pl.multiple_of(base + head + k * block_vocab, align), block_vocab)
+        # The hint sits on the row's first full tile, not on each tile's start: the first
+        # tile's start would fold to this sum, hint and all, and Triton would load it
+        # element by element; tile starts below inherit the alignment from it.
+        first = pl.multiple_of(base + head, align)
 
-        def stats_tile(k, c):
-            t = plgpu.load(x_ref.at[tile(k)]).astype(_F32) * scale
-            return merge_stats(c, aligned.stats_base2(t))
+        def tile(k):
+            return pl.ds(first + k * block_vocab, block_vocab)
+
+        def load(k):
+            return plgpu.load(x_ref.at[tile(k)])
+
+        def stats_tile(k, x, c):
+            return merge_stats(c, aligned.stats_base2(x.astype(_F32) * scale))
 
         empty = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0))
-        c = merge_stats(jax.lax.fori_loop(0, full, stats_tile, empty),
+        c = merge_stats(_sweep(load, full, stages, stats_tile, empty),
                         aligned.edge_stats(x_ref, vocab, align, full, block_vocab, width, scale,
                                            r))
         y = id_ref[r]
@@ -131,13 +176,16 @@ def _kernel(x_ref, id_ref, zy_ref, *refs, vocab, align, full, width, block_vocab
         hc2 = None if hcoef is None else hcoef * _LN2
         lse2 = lse * _LOG2E
 
-        def grad_tile(k, _):
-            t = plgpu.load(x_ref.at[tile(k)]).astype(_F32) * scale - lse2
+        def grad_tile(k, x, c):
+            # With alias_logits o_ref is x_ref: the tiles loading ahead are the next ones,
+            # which this store does not touch.
+            t = x.astype(_F32) * scale - lse2
             d = aligned.not_chosen_grad(jnp.exp2(t), t, a, hc2)
             d = d + jnp.where(idx == y - head - k * block_vocab, coef, 0.0)
             plgpu.store(o_ref.at[tile(k)], d.astype(o_ref.dtype))
+            return c
 
-        jax.lax.fori_loop(0, full, grad_tile, None)
+        _sweep(load, full, stages, grad_tile, jnp.int32(0))
         aligned.store_edge_grad(x_ref, o_ref, vocab, align, full, block_vocab, width, inv_tau, y,
                                 lse, coef, hcoef, ent, r)
         logp_ref[r], ent_ref[r] = logp, ent
@@ -163,7 +211,7 @@ def one_pass(z: Array, ids: Array, columns: dict[str, Array | None], row_grad: C
     kernel = functools.partial(
         _kernel, vocab=vocab, align=align, full=full, width=width,
         block_vocab=blocks.block_vocab, inv_tau=1.0 / temperature, n=n,
-        programs=blocks.programs, names=names, row_grad=row_grad)
+        programs=blocks.programs, stages=blocks.stages, names=names, row_grad=row_grad)
     logp, ent, dz = pl.pallas_call(
         kernel, grid=(blocks.programs,),
         out_shape=(col, col, out_struct((n * vocab,), z.dtype, z, *args)),
