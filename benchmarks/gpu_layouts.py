@@ -78,7 +78,7 @@ def tiling_list(text: str) -> list[tuple[int, int]]:
 
 def one_pass_list(text: str) -> list[pallas_gpu_one_pass.OnePassBlocks]:
     """``"BVxWxP[xS],..."`` -> the one-pass tilings (block_vocab, num_warps, programs, load
-    stages; stages default to ``plan_blocks``'s); empty text: none."""
+    stages; stages default to the planner's, ``DEFAULT_STAGES``); empty text: none."""
     out = _pairs(text)
     stages = pallas_gpu_one_pass.MAX_STAGES
     if out is None or any(len(t) not in (3, 4) or not _tiling_ok(t) or t[2] < 1
@@ -87,9 +87,7 @@ def one_pass_list(text: str) -> list[pallas_gpu_one_pass.OnePassBlocks]:
             f"--one-pass-tilings wants tile x warps x programs [x load stages] (a power of "
             f"two x 1, 2, 4, 8, 16 or 32 x >= 1 [x 1 to {stages}]) like "
             f"8192x8x264x1,16384x16x132, got {text!r}")
-    planned = pallas_gpu_one_pass.plan_blocks(1, 1).stages
-    return [pallas_gpu_one_pass.OnePassBlocks(*t[:3], t[3] if len(t) == 4 else planned)
-            for t in out]
+    return [pallas_gpu_one_pass.OnePassBlocks(*t[:3], *t[3:]) for t in out]
 
 
 def _tiling_ok(t: tuple[int, ...]) -> bool:
@@ -185,12 +183,14 @@ def measure_one_pass(n: int, vocab: int, tilings: list[pallas_gpu_one_pass.OnePa
            for name, b in blocks.items()}
     times = _times(fns, {"kernel": (z,)}, iters, rounds)
     planned = fns["one_pass"]["kernel"](z)
-    return [_row(n, vocab, name, fns[name], times, block_vocab=b.block_vocab,
-                 num_warps=b.num_warps, programs=b.programs, stages=b.stages,
-                 kernel_bytes_per_s=2 * z.size * z.dtype.itemsize / (
-                     statistics.mean(times[(name, "kernel")]) * 1e-3),
-                 dlogits_max_rel_diff_to_planned=_rel(fns[name]["kernel"](z), planned))
-            for name, b in blocks.items()]
+    rows = []
+    for name, b in blocks.items():
+        row = _row(n, vocab, name, fns[name], times, block_vocab=b.block_vocab,
+                   num_warps=b.num_warps, programs=b.programs, stages=b.stages,
+                   dlogits_max_rel_diff_to_planned=_rel(fns[name]["kernel"](z), planned))
+        row["kernel_bytes_per_s"] = 2 * z.size * z.dtype.itemsize / (row["kernel_ms"] * 1e-3)
+        rows.append(row)
+    return rows
 
 
 def measure(n: int, vocab: int, block_vocab: int | None, iters: int, rounds: int):

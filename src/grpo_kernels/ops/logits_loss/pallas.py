@@ -28,7 +28,6 @@ from grpo_kernels.ops.core.options import check_int, check_interpret, resolved_i
 from grpo_kernels.ops.core.validate import backend_kind
 from grpo_kernels.ops.core.vjp import loss_from_pieces, loss_with_gradient
 from grpo_kernels.ops.logits_loss import pallas_gpu, pallas_gpu_one_pass, pallas_tpu
-from grpo_kernels.ops.logits_loss.pallas_gpu_one_pass import STAGES_WHY
 
 Array = jax.Array
 
@@ -49,7 +48,7 @@ class PallasBlockSizes:
         (:func:`~.pallas_gpu_one_pass.default_programs`).
       gpu_stages: Load stages of the one-pass GPU kernel: tiles each sweep has loading at
         once, 1 to ``MAX_STAGES`` (:class:`~.pallas_gpu_one_pass.OnePassBlocks`); ``None``:
-        its planner's (2).
+        its planner's (``DEFAULT_STAGES``, 2).
     """
 
     block_rows: int | None = None
@@ -64,7 +63,7 @@ class PallasBlockSizes:
                   power_of_two=True, why=" (TPU lanes; Triton block shapes)")
         check_int("PallasBlockSizes", "gpu_programs", self.gpu_programs)
         check_int("PallasBlockSizes", "gpu_stages", self.gpu_stages,
-                  maximum=pallas_gpu_one_pass.MAX_STAGES, why=STAGES_WHY)
+                  maximum=pallas_gpu_one_pass.MAX_STAGES, why=pallas_gpu_one_pass.STAGES_WHY)
 
 
 @dataclasses.dataclass(frozen=True)

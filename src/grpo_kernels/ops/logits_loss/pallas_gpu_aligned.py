@@ -194,7 +194,8 @@ def _grad_edge_kernel(x_ref, id_ref, lse_ref, coef_ref, zy_ref, *rest, block_voc
 
 
 def plan_rows(z: Array, block_vocab: int, who: str = "the 'aligned' GPU layout",
-          instead: str = "PallasOptions(gpu_layout='rows')") -> tuple[int, int, int, int, int]:
+              instead: str = "PallasOptions(gpu_layout='rows')",
+              ) -> tuple[int, int, int, int, int]:
     """``(N, V, align, full tiles per row, the edge call's tail width)``, after the size
     check (whose error names ``who`` and what to use ``instead``)."""
     n, vocab = z.shape

@@ -60,8 +60,8 @@ _LN2 = math.log(2.0)
 # rows in flight (132 x 296 KiB on an H100) within L2.
 PROGRAMS_PER_CORE = 1
 _FALLBACK_PROGRAMS = 132  # an H100 SXM's multiprocessors, when the device does not say
-
-
+# Load stages (see OnePassBlocks): the planner's count, and the most a tiling may ask for.
+DEFAULT_STAGES = 2
 MAX_STAGES = 4
 STAGES_WHY = " (each load stage holds a tile in registers)"
 
@@ -76,7 +76,7 @@ class OnePassBlocks:
     block_vocab: int
     num_warps: int
     programs: int
-    stages: int = 2
+    stages: int = DEFAULT_STAGES
 
     def __post_init__(self) -> None:
         check_int("OnePassBlocks", "block_vocab", self.block_vocab, power_of_two=True)
@@ -110,18 +110,18 @@ def plan_blocks(n: int, vocab: int, block_vocab: int | None = None,
         block_vocab = min(16384, pl.next_power_of_2(vocab))
     return OnePassBlocks(block_vocab, num_warps,
                          default_programs(n) if programs is None else min(programs, n),
-                         2 if stages is None else stages)
+                         DEFAULT_STAGES if stages is None else stages)
 
 
 def _sweep(load: Callable, full: int, stages: int, body: Callable, init):
     """``fori_loop`` over a row's ``full`` tiles, ``body(k, tile, carry) -> carry``, with
     ``stages - 1`` tiles loading ahead of the one being worked on.
 
-    The tiles ahead ride in the loop's carry: tile ``k + stages - 1``'s load (``load(k)``) is
-    issued at the top of iteration ``k``, and nothing waits for it until the iteration that
-    uses it, so the memory works while this iteration computes. Past the last tile the loads
-    repeat the last one, which L1 or L2 still holds: a masked load would cost Triton its
-    16-byte vectors (ptxas then issues one 2-byte load per element).
+    ``load(j)`` loads tile ``j``. The tiles ahead ride in the loop's carry: tile
+    ``k + stages - 1``'s load is issued at the top of iteration ``k``, and nothing waits for it
+    until the iteration that uses it, so the memory works while this iteration computes. Past
+    the last tile the loads repeat the last one, which L1 or L2 still holds: a masked load
+    would cost Triton its 16-byte vectors (ptxas then issues one 2-byte load per element).
     """
     if stages == 1 or full == 0:
         return jax.lax.fori_loop(0, full, lambda k, c: body(k, load(k), c), init)
