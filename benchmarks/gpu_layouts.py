@@ -9,11 +9,13 @@ one process (proof phases).
 For each ``N x V`` (bf16 logits, the default loss with old and reference log-probs), and each
 layout (``PallasOptions(gpu_layout=...)``): the statistics kernels alone, the gradient kernels
 alone, and the whole ``value_and_grad`` step; the one-pass kernel's step
-(``PallasOptions(one_pass=True)``, row ``one_pass``); then the ``xla`` step and XLA's ``z + 1``
-(the gradient's bytes: one read, one write) as yardsticks. The aligned layout's and the
-one-pass kernel's loss and dlogits are compared with the rows layout's in the same run.
-``step_bytes_per_s`` counts ``3 V b`` bytes per token for the two-kernel steps and ``2 V b``
-for the one-pass step (its HBM bytes when the second read hits L2).
+(``PallasOptions(one_pass=True)``, row ``one_pass``); then the ``xla`` step, XLA's ``z + 1``
+(``xla_copy``: the gradient's bytes, one read and one write) and XLA's row max (``xla_read``:
+the statistics' bytes, one read) as yardsticks. The aligned layout's and the one-pass kernel's
+loss and dlogits are compared with the rows layout's in the same run. ``step_bytes_per_s``
+counts ``3 V b`` bytes per token for the two-kernel steps, ``2 V b`` for the one-pass step
+(its HBM bytes when the second read hits L2) and ``V b`` for ``xla_read``;
+``stats_bytes_per_s`` counts ``V b`` for a layout's statistics kernel.
 
 With ``--tilings`` (vocabulary tile x warps per program), the tiling sweep instead: the aligned
 layout's two kernels at ``pallas_gpu.plan_blocks``'s tiling (the row named ``aligned``) and at
@@ -217,6 +219,7 @@ def measure(n: int, vocab: int, block_vocab: int | None, iters: int, rounds: int
         outs[name] = fns[name]["step"](inp.logits)
     fns["xla"] = {"step": step("xla")}
     fns["xla_copy"] = {"step": jax.jit(lambda z: z + jnp.asarray(1, z.dtype))}
+    fns["xla_read"] = {"step": jax.jit(lambda z: jnp.max(z, axis=-1))}
     times = _times(fns, {"stats": (z,), "grad": (z,), "step": (inp.logits,)}, iters, rounds)
     nbytes = z.size * z.dtype.itemsize
     loss_r, dz_r = outs["rows"]
@@ -224,8 +227,10 @@ def measure(n: int, vocab: int, block_vocab: int | None, iters: int, rounds: int
     for name, kernels in fns.items():
         row = _row(n, vocab, name, kernels, times, block_vocab=block_vocab)
         if name != "xla_copy":
-            moved = 2 if name == "one_pass" else 3
+            moved = {"one_pass": 2, "xla_read": 1}.get(name, 3)
             row["step_bytes_per_s"] = moved * nbytes / (row["step_ms"] * 1e-3)
+        if "stats" in kernels:  # one read of the logits
+            row["stats_bytes_per_s"] = nbytes / (row["stats_ms"] * 1e-3)
         if name in outs and name != "rows":
             row["loss_rel_diff_to_rows"] = _rel(outs[name][0], loss_r)
             row["dlogits_max_rel_diff_to_rows"] = _rel(outs[name][1], dz_r)

@@ -102,7 +102,8 @@ def test_the_h100_proof_json_validates():
 
 def _layout_record(step_ms: dict[tuple[int, str], float]) -> dict:
     rows = [{"n": n, "vocab": 151643, "layout": layout, "stats_ms": 0.1, "grad_ms": 0.2,
-             "step_ms": ms, "step_bytes_per_s": 3 * n * 151643 * 2 / (ms * 1e-3)}
+             "step_ms": ms, "step_bytes_per_s": 3 * n * 151643 * 2 / (ms * 1e-3),
+             "stats_bytes_per_s": n * 151643 * 2 / 1e-4}
             for (n, layout), ms in step_ms.items()]
     return {"phase": "gpu_layouts", "rc": 0, "wall_s": 1.0, "argv": [], "rows": rows}
 
@@ -117,7 +118,9 @@ def test_report_picks_the_gpu_layout_only_where_it_won_everywhere():
     assert won["figures"]["gpu_layout"] == "aligned"
     frac = won["figures"]["layouts"]["N2048_V151643"]["aligned"]["copy_fraction"]
     assert frac == pytest.approx(3 * 2048 * 151643 * 2 / 1e-3 / 3e12)
-    assert "| N4096_V151643 | aligned | 0.1 | 0.2 | 1.9 |" in proof_report.to_markdown(won)
+    stats = won["figures"]["layouts"]["N2048_V151643"]["aligned"]["stats_copy_fraction"]
+    assert stats == pytest.approx(2048 * 151643 * 2 / 1e-4 / 3e12)
+    assert "| N4096_V151643 | aligned | 0.1 | 4.141 | 0.2 | 1.9 |" in proof_report.to_markdown(won)
     lost = proof_report.build("real", [_layout_record({**both, (4096, "aligned"): 2.4})], 1.0)
     assert lost["figures"]["gpu_layout"] == "rows"
     assert lost["figures"]["layouts"]["N2048_V151643"]["rows"]["copy_fraction"] is None
@@ -303,8 +306,10 @@ def test_dry_run_records_every_phase(tmp_path):
     assert set(fig["layouts"]) == {"N16_V300", "N8_V256"}
     designs = ("rows", "aligned", "one_pass")
     for t in fig["layouts"].values():
-        assert set(t) == {*designs, "xla", "xla_copy"}
-        assert all(t[k]["step_ms"] > 0 and t[k]["copy_fraction"] > 0 for k in designs)
+        assert set(t) == {*designs, "xla", "xla_copy", "xla_read"}
+        assert all(t[k]["step_ms"] > 0 and t[k]["copy_fraction"] > 0
+                   for k in (*designs, "xla_read"))
+        assert all(t[k]["stats_copy_fraction"] > 0 for k in designs[:2])
         assert all(t[k]["dlogits_max_rel_diff_to_rows"] <= 1e-2 for k in designs[1:])
     assert fig["gpu_layout"] in ("rows", "aligned")
     assert fig["gpu_one_pass"] in ("one_pass", "two kernels")

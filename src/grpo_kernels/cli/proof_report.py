@@ -80,6 +80,10 @@ def figures(records: list[dict]) -> dict[str, Any]:
     """The proof's figures, from the phases' JSON rows (absent phases give absent figures)."""
     copies = [row for rows in _rows(records, "copy_bandwidth").values() for row in rows]
     copy = max(copies, key=lambda r: r["bandwidth_bytes_per_s"]) if copies else None
+
+    def of_copy(bytes_per_s: float | None) -> float | None:
+        return bytes_per_s / copy["bandwidth_bytes_per_s"] if bytes_per_s and copy else None
+
     fig: dict[str, Any] = {"copy": copy, "logits": {}, "memory": {}, "lm_head": {},
                            "gradcheck": {}, "liger": {}, "layouts": {}, "tilings": {},
                            "one_pass_tilings": {}}
@@ -97,8 +101,7 @@ def figures(records: list[dict]) -> dict[str, Any]:
             shape[row["impl"]] = {
                 "median_ms": row["median_step_ms"], "first_call_s": row["first_call_s"],
                 "peak_bytes_in_use": row.get("peak_bytes_in_use"), "bytes_moved": moved,
-                "bytes_per_s": bw,
-                "copy_fraction": bw / copy["bandwidth_bytes_per_s"] if copy else None}
+                "bytes_per_s": bw, "copy_fraction": of_copy(bw)}
         fig["logits"][phase[len("bench_"):]] = shape
     for phase, rows in _rows(records, "memory_").items():
         for row in rows:
@@ -113,11 +116,11 @@ def figures(records: list[dict]) -> dict[str, Any]:
         fig["lm_head"]["gradcheck"] = {k: row.get(k) for k in (
             "passed", "bound", "dhidden_err_xla", "dW_err_xla")}
     for row in _rows(records, "gpu_layouts").get("gpu_layouts", []):
-        bw = row.get("step_bytes_per_s")
         fig["layouts"].setdefault(f"N{row['n']}_V{row['vocab']}", {})[row["layout"]] = {
             **{k: row.get(k) for k in ("stats_ms", "grad_ms", "step_ms",
                                        "dlogits_max_rel_diff_to_rows")},
-            "copy_fraction": bw / copy["bandwidth_bytes_per_s"] if bw and copy else None}
+            "stats_copy_fraction": of_copy(row.get("stats_bytes_per_s")),
+            "copy_fraction": of_copy(row.get("step_bytes_per_s"))}
     fig["gpu_layout"] = gpu_layout(fig["layouts"])
     fig["gpu_one_pass"] = gpu_one_pass(fig["layouts"])
     for row in _rows(records, "gpu_tilings").get("gpu_tilings", []):
@@ -126,12 +129,11 @@ def figures(records: list[dict]) -> dict[str, Any]:
                                     "dlogits_max_rel_diff_to_planned")}
     fig["aligned_tiling"] = fastest(fig["tilings"], ("stats_ms", "grad_ms"))
     for row in _rows(records, "gpu_one_pass").get("gpu_one_pass", []):
-        bw = row.get("kernel_bytes_per_s")
         fig["one_pass_tilings"].setdefault(f"N{row['n']}_V{row['vocab']}", {})[
             row["layout"]] = {
             **{k: row.get(k) for k in ("block_vocab", "num_warps", "programs", "stages",
                                        "kernel_ms", "dlogits_max_rel_diff_to_planned")},
-            "copy_fraction": bw / copy["bandwidth_bytes_per_s"] if bw and copy else None}
+            "copy_fraction": of_copy(row.get("kernel_bytes_per_s"))}
     fig["one_pass_tiling"] = fastest(fig["one_pass_tilings"], ("kernel_ms",))
     for phase, rows in _rows(records, "liger").items():
         for row in rows:
@@ -285,13 +287,15 @@ def to_markdown(report: dict[str, Any]) -> str:
                          f" | {_fmt(r['peak_bytes_in_use'])} | {r['bytes_per_s'] / 1e12:.3f} | "
                          f"{_fmt(r['copy_fraction'])} |")
     if fig["layouts"]:
-        lines += ["", "| N x V | GPU layout | statistics ms | gradient ms | step ms | step, of "
-                  "copy (3 V b; one_pass 2 V b) |", "|---|---|---|---|---|---|"]
-        lines += [f"| {s} | {k} | {_fmt(v['stats_ms'])} | {_fmt(v['grad_ms'])} | "
-                  f"{_fmt(v['step_ms'])} | {_fmt(v['copy_fraction'])} |"
+        lines += ["", "| N x V | GPU layout | statistics ms | statistics, of copy (V b) | "
+                  "gradient ms | step ms | step, of copy (3 V b; one_pass 2 V b; xla_read V b) |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {s} | {k} | {_fmt(v['stats_ms'])} | {_fmt(v['stats_copy_fraction'])} | "
+                  f"{_fmt(v['grad_ms'])} | {_fmt(v['step_ms'])} | {_fmt(v['copy_fraction'])} |"
                   for s, t in fig["layouts"].items() for k, v in t.items()]
         lines += ["", f"GPU layout this run supports as the default: {_fmt(fig['gpu_layout'])} "
-                  "(xla_copy's step is XLA's z + 1: the gradient kernel's bytes).",
+                  "(xla_copy's step is XLA's z + 1, the gradient kernel's bytes; xla_read's is "
+                  "XLA's row max, the statistics kernel's).",
                   "", f"GPU one_pass=None this run supports: {_fmt(fig['gpu_one_pass'])}."]
     if fig["one_pass_tilings"]:
         lines += ["", "| N x V | one-pass tiling | tile | warps | programs | stages | "
