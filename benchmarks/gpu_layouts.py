@@ -3,7 +3,7 @@ one process (proof phases).
 
     python3 benchmarks/gpu_layouts.py                       # the issue's shapes, on a GPU
     python3 benchmarks/gpu_layouts.py --tilings 4096x4,8192x8,16384x8   # the tiling sweep
-    python3 benchmarks/gpu_layouts.py --one-pass-tilings 8192x8x264x1,16384x16x132x3  # one-pass
+    python3 benchmarks/gpu_layouts.py --one-pass-tilings 8192x8x264x1,16384x16x132x2x0  # one-pass
     python3 benchmarks/gpu_layouts.py --shapes 16x300 --block-vocab 128 --iters 2   # a CPU smoke
 
 For each ``N x V`` (bf16 logits, the default loss with old and reference log-probs), and each
@@ -20,9 +20,10 @@ counts ``3 V b`` bytes per token for the two-kernel steps, ``2 V b`` for the one
 With ``--tilings`` (vocabulary tile x warps per program), the tiling sweep instead: the aligned
 layout's two kernels at ``pallas_gpu.plan_blocks``'s tiling (the row named ``aligned``) and at
 each given one (``aligned_<tile>x<warps>``), each one's dlogits compared with the planner's.
-With ``--one-pass-tilings`` (tile x warps x persistent programs [x load stages]), the one-pass
-kernel alone at ``pallas_gpu_one_pass.plan_blocks``'s tiling (row ``one_pass``) and at each
-given one (``one_pass_<tile>x<warps>x<programs>x<stages>``; stages default to the planner's),
+With ``--one-pass-tilings`` (tile x warps x persistent programs [x load stages [x L2 hints]]),
+the one-pass kernel alone at ``pallas_gpu_one_pass.plan_blocks``'s tiling (row ``one_pass``)
+and at each given one (``one_pass_<tile>x<warps>x<programs>x<stages>``, with
+``_no_l2_hints`` when the fifth number is 0; stages default to the planner's, hints to on),
 timed as ``kernel_ms``, dlogits against the planner's.
 
 Everything alternates over ``--rounds`` rounds and each figure is the mean of its rounds'
@@ -79,17 +80,26 @@ def tiling_list(text: str) -> list[tuple[int, int]]:
 
 
 def one_pass_list(text: str) -> list[pallas_gpu_one_pass.OnePassBlocks]:
-    """``"BVxWxP[xS],..."`` -> the one-pass tilings (block_vocab, num_warps, programs, load
-    stages; stages default to the planner's, ``DEFAULT_STAGES``); empty text: none."""
+    """``"BVxWxP[xS[xH]],..."`` -> the one-pass tilings (block_vocab, num_warps, programs, load
+    stages, L2 hints 0 or 1; stages default to the planner's, ``DEFAULT_STAGES``, hints to
+    on); empty text: none."""
     out = _pairs(text)
     stages = pallas_gpu_one_pass.MAX_STAGES
-    if out is None or any(len(t) not in (3, 4) or not _tiling_ok(t) or t[2] < 1
-                          or (len(t) == 4 and not 1 <= t[3] <= stages) for t in out):
+    if out is None or any(len(t) not in (3, 4, 5) or not _tiling_ok(t) or t[2] < 1
+                          or (len(t) >= 4 and not 1 <= t[3] <= stages)
+                          or (len(t) == 5 and t[4] not in (0, 1)) for t in out):
         raise argparse.ArgumentTypeError(
-            f"--one-pass-tilings wants tile x warps x programs [x load stages] (a power of "
-            f"two x 1, 2, 4, 8, 16 or 32 x >= 1 [x 1 to {stages}]) like "
-            f"8192x8x264x1,16384x16x132, got {text!r}")
-    return [pallas_gpu_one_pass.OnePassBlocks(*t[:3], *t[3:]) for t in out]
+            f"--one-pass-tilings wants tile x warps x programs [x load stages [x L2 hints]] "
+            f"(a power of two x 1, 2, 4, 8, 16 or 32 x >= 1 [x 1 to {stages} [x 0 or 1]]) "
+            f"like 8192x8x264x1,16384x16x132,16384x16x132x2x0, got {text!r}")
+    return [pallas_gpu_one_pass.OnePassBlocks(*t[:4], *(bool(h) for h in t[4:]))
+            for t in out]
+
+
+def one_pass_name(b: pallas_gpu_one_pass.OnePassBlocks) -> str:
+    """A swept one-pass tiling's row name: its numbers, and whether its L2 hints are off."""
+    return (f"one_pass_{b.block_vocab}x{b.num_warps}x{b.programs}x{b.stages}"
+            + ("" if b.l2_hints else "_no_l2_hints"))
 
 
 def _tiling_ok(t: tuple[int, ...]) -> bool:
@@ -179,8 +189,7 @@ def measure_one_pass(n: int, vocab: int, tilings: list[pallas_gpu_one_pass.OnePa
     _, _, z, ids, _ = _inputs(n, vocab)
     interpret = _interpret()
     blocks = {"one_pass": pallas_gpu_one_pass.plan_blocks(n, vocab)}
-    blocks.update({f"one_pass_{b.block_vocab}x{b.num_warps}x{b.programs}x{b.stages}": b
-                   for b in tilings})
+    blocks.update({one_pass_name(b): b for b in tilings})
     fns = {name: {"kernel": _one_pass_kernel(z, ids, b, interpret)}
            for name, b in blocks.items()}
     times = _times(fns, {"kernel": (z,)}, iters, rounds)
@@ -189,6 +198,7 @@ def measure_one_pass(n: int, vocab: int, tilings: list[pallas_gpu_one_pass.OnePa
     for name, b in blocks.items():
         row = _row(n, vocab, name, fns[name], times, block_vocab=b.block_vocab,
                    num_warps=b.num_warps, programs=b.programs, stages=b.stages,
+                   l2_hints=b.l2_hints,
                    dlogits_max_rel_diff_to_planned=_rel(fns[name]["kernel"](z), planned))
         row["kernel_bytes_per_s"] = 2 * z.size * z.dtype.itemsize / (row["kernel_ms"] * 1e-3)
         rows.append(row)
@@ -250,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                    "planner's")
     p.add_argument("--one-pass-tilings", type=one_pass_list, default=[],
                    help="the one-pass sweep instead of the layout A/B: the one-pass kernel at "
-                   "these tilings (tile x warps x persistent programs [x load stages], e.g. "
-                   "16384x16x132x3) and the planner's")
+                   "these tilings (tile x warps x persistent programs [x load stages [x L2 "
+                   "hints 0/1]], e.g. 16384x16x132x3,16384x16x132x2x0) and the planner's")
     p.add_argument("--iters", type=int, default=20, help="timed calls per median")
     p.add_argument("--rounds", type=int, default=2, help="rounds the layouts alternate over")
     args = p.parse_args(argv)

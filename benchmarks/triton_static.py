@@ -6,15 +6,17 @@
         --block-vocab 4096,8192 --num-warps 4,8      # other tilings
     python3 benchmarks/triton_static.py --triton-python /tmp/tv/bin/python --layouts one_pass \
         --block-vocab 8192,16384,32768 --num-warps 8,16,32 --stages 1,2   # the one-pass kernel
+    python3 benchmarks/triton_static.py --triton-python /tmp/tv/bin/python --layouts one_pass \
+        --l2-hints 0,1                      # without and with its L2 eviction hints
 
 The CPU jaxlib lowers the Pallas GPU kernels to Triton IR; ``pallas_call(debug=True)`` prints
 it. This script lowers each layout's ``value_and_grad`` pieces (statistics and gradient, at the
 default tiling or each of the given ones) at ``N x V``, strips the printed debug locations, and
 hands each module to the given Triton, which compiles it for sm_90 (ptxas and cuobjdump ship
 with it). It prints one JSON line per kernel (with its layout, shape and tiling): registers per
-thread, stack bytes (spills), SASS instructions, global loads and stores by width, ``ex2`` count
-and barriers. A kernel's occupancy follows from its registers (65,536 per multiprocessor). Times
-still need the GPU (``make gpu-proof``).
+thread, stack bytes (spills), SASS instructions, global loads and stores by width and cache
+hint, the L2 eviction policies created, ``ex2`` count and barriers. A kernel's occupancy follows
+from its registers (65,536 per multiprocessor). Times still need the GPU (``make gpu-proof``).
 """
 
 from __future__ import annotations
@@ -62,9 +64,10 @@ for path, warps, meta in json.loads(sys.argv[1]):
         "registers": int(re.search(r"REG:(\d+)", res).group(1)),
         "stack_bytes": int(re.search(r"STACK:(\d+)", res).group(1)),
         "sass_instructions": len(ins),
-        "loads": dict(collections.Counter(re.findall(r"ld\.global[.\w]*", ptx))),
-        "stores": dict(collections.Counter(re.findall(r"st\.global[.\w]*", ptx))),
+        "loads": dict(collections.Counter(re.findall(r"ld\.global[.\w:]*", ptx))),
+        "stores": dict(collections.Counter(re.findall(r"st\.global[.\w:]*", ptx))),
         "ex2": ptx.count("ex2.approx"), "cp_async": ptx.count("cp.async."),
+        "l2_policies": dict(collections.Counter(re.findall(r"createpolicy[.\w:]*", ptx))),
         "barriers": sum("BAR" in l for l in ins)}), flush=True)
 """
 
@@ -130,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", default="",
                    help="comma list of the one-pass kernel's load stages (default: "
                    "plan_blocks's)")
+    p.add_argument("--l2-hints", default="",
+                   help="comma list of 0/1: the one-pass kernel without and with its L2 "
+                   "eviction hints (default: plan_blocks's)")
     args = p.parse_args(argv)
     layouts = args.layouts.split(",")
     if not set(layouts) <= set(KINDS):
@@ -138,24 +144,30 @@ def main(argv: list[str] | None = None) -> int:
         tiles = [int(x) for x in args.block_vocab.split(",") if x] or [None]
         warps = [int(x) for x in args.num_warps.split(",") if x] or [None]
         stages = [int(x) for x in args.stages.split(",") if x] or [None]
+        hints = [bool(int(x)) for x in args.l2_hints.split(",") if x] or [None]
     except ValueError:
-        p.error(f"--block-vocab, --num-warps and --stages want comma lists of integers, got "
-                f"{args.block_vocab!r}, {args.num_warps!r} and {args.stages!r}")
-    if stages != [None] and layouts != ["one_pass"]:
-        p.error("--stages is the one-pass kernel's: give it with --layouts one_pass")
+        p.error(f"--block-vocab, --num-warps, --stages and --l2-hints want comma lists of "
+                f"integers, got {args.block_vocab!r}, {args.num_warps!r}, {args.stages!r} "
+                f"and {args.l2_hints!r}")
+    if (stages != [None] or hints != [None]) and layouts != ["one_pass"]:
+        p.error("--stages and --l2-hints are the one-pass kernel's: give them with "
+                "--layouts one_pass")
     with tempfile.TemporaryDirectory() as tmp:
         todo = []
-        for layout, tile, warp, stage in itertools.product(layouts, tiles, warps, stages):
+        for layout, tile, warp, stage, hint in itertools.product(layouts, tiles, warps, stages,
+                                                                 hints):
             if layout == "one_pass":
                 blocks = pallas_gpu_one_pass.plan_blocks(args.rows, args.vocab, tile)
-                blocks = dataclasses.replace(blocks, stages=stage or blocks.stages)
+                blocks = dataclasses.replace(blocks, stages=stage or blocks.stages,
+                                             l2_hints=blocks.l2_hints if hint is None else hint)
             else:
                 blocks = pallas_gpu.plan_blocks(args.vocab, tile, layout)
             blocks = dataclasses.replace(blocks, num_warps=warp or blocks.num_warps)
             for i, (name, text) in enumerate(triton_modules(args.rows, args.vocab,
                                                             jnp.dtype(args.dtype), blocks)):
-                extra = {"stages": blocks.stages} if layout == "one_pass" else {}
-                tag = "".join(f"_s{v}" for v in extra.values())  # one file per variant
+                extra = ({"stages": blocks.stages, "l2_hints": blocks.l2_hints}
+                         if layout == "one_pass" else {})
+                tag = "".join(f"_{v:d}" for v in extra.values())  # one file per variant
                 path = Path(tmp) / (f"{layout}_bv{blocks.block_vocab}_w{blocks.num_warps}{tag}_"
                                     f"{i}_{name}.ttir")
                 path.write_text(text)

@@ -42,7 +42,12 @@ def test_plans_pick_their_groups():
     assert set(proof.DRY.groups) == set(proof.GROUPS)
     argv = dict((n, a) for n, a, _ in proof.phases({"layouts"}, proof.LAYOUTS))["gpu_one_pass"]
     assert argv[argv.index("--one-pass-tilings") + 1] == (
-        "16384x16x132x1,16384x16x132x3,8192x16x132x2,8192x8x264x1,8192x8x132x2")
+        "16384x16x132x1,16384x16x132x3,8192x16x132x2,8192x8x264x1,8192x8x132x2,"
+        "16384x16x132x2x0")
+    # Every tiling of the plan parses as the sweep's script parses it.
+    sys.path.insert(0, str(proof.benchmarks_dir()))
+    import gpu_layouts
+    assert len(gpu_layouts.one_pass_list(argv[argv.index("--one-pass-tilings") + 1])) == 6
 
 
 def test_every_plan_runs_the_same_phases():
@@ -159,7 +164,8 @@ def test_report_supports_the_one_pass_kernel_only_where_it_beat_both_layouts():
 
 def test_report_names_the_one_pass_tiling_timed_at_every_shape():
     rows = [{"n": n, "vocab": 151643, "layout": name, "block_vocab": 8192, "num_warps": 8,
-             "programs": 132, "stages": 2, "kernel_ms": ms, "kernel_bytes_per_s": 1e12,
+             "programs": 132, "stages": 2, "l2_hints": True, "kernel_ms": ms,
+             "kernel_bytes_per_s": 1e12,
              "dlogits_max_rel_diff_to_planned": 0.0}
             for (n, name), ms in {(2048, "one_pass"): 0.5, (4096, "one_pass"): 1.0,
                                   (2048, "one_pass_8192x8x264"): 0.4,
@@ -175,7 +181,7 @@ def test_report_names_the_one_pass_tiling_timed_at_every_shape():
     assert fig["one_pass_tiling"] == "one_pass_8192x8x264"
     assert fig["one_pass_tilings"]["N2048_V151643"]["one_pass"]["copy_fraction"] == 0.5
     md = proof_report.to_markdown(report)
-    assert "| N2048_V151643 | one_pass_8192x8x264 | 8192 | 8 | 132 | 2 | 0.4 | 0.5 |" in md
+    assert "| N2048_V151643 | one_pass_8192x8x264 | 8192 | 8 | 132 | 2 | True | 0.4 | 0.5 |" in md
     assert "One-pass kernel's fastest tiling (summed over the shapes): one_pass_8192x8x264" in md
 
 
@@ -317,10 +323,11 @@ def test_dry_run_records_every_phase(tmp_path):
         found = [t for t in report["targets"] if label in t["name"]]
         assert len(found) == 2 * 2 and all(t["met"] is not None for t in found)
     assert set(fig["one_pass_tilings"]) == set(fig["layouts"])
-    swept = {"one_pass", "one_pass_128x4x3x1", "one_pass_128x4x3x3"}
+    swept = {"one_pass", "one_pass_128x4x3x1", "one_pass_128x4x3x3_no_l2_hints"}
     for t in fig["one_pass_tilings"].values():
         assert set(t) == swept and t["one_pass_128x4x3x1"]["programs"] == 3
         assert [t[k]["stages"] for k in sorted(swept)[1:]] == [1, 3]
+        assert [t[k]["l2_hints"] for k in sorted(swept)] == [True, True, False]
         assert all(v["kernel_ms"] > 0 and v["dlogits_max_rel_diff_to_planned"] <= 1e-2
                    for v in t.values())
     assert fig["one_pass_tiling"] in swept

@@ -51,13 +51,14 @@ class Plan:
     # at V = 151,643, where the planner's 8192 leaves about 4,200.
     layout_tilings: tuple[tuple[int, int], ...] = ((4096, 4), (8192, 8), (16384, 8))
     # The one-pass GPU kernel's sweep (block_vocab, num_warps, persistent programs, load
-    # stages) beside its planner's 16384 x 16 x 132 x 2; 132 is an H100 SXM's multiprocessors.
-    # Against the planner's: no loads ahead, or two; half tiles; two programs per
-    # multiprocessor (8192 x 8 at one stage, 128 registers: two fit) in place of loads ahead;
-    # 8192 x 8 with loads ahead (182 registers, one program per multiprocessor).
-    one_pass_tilings: tuple[tuple[int, int, int, int], ...] = (
+    # stages[, L2 hints 0/1]) beside its planner's 16384 x 16 x 132 x 2 with hints; 132 is an
+    # H100 SXM's multiprocessors. Against the planner's: no loads ahead, or two; half tiles;
+    # two programs per multiprocessor (8192 x 8 at one stage, 128 registers: two fit) in place
+    # of loads ahead; 8192 x 8 with loads ahead (182 registers, one program per
+    # multiprocessor); the planner's without its L2 eviction hints.
+    one_pass_tilings: tuple[tuple[int, ...], ...] = (
         (16384, 16, 132, 1), (16384, 16, 132, 3), (8192, 16, 132, 2), (8192, 8, 264, 1),
-        (8192, 8, 132, 2))
+        (8192, 8, 132, 2), (16384, 16, 132, 2, 0))
     groups: tuple[str, ...] = ("env", "logits", "lm_head", "liger")
     head: tuple[int, int, int, int] = (1, 8192, 4096, 151936)  # B, T, H, V
     family: tuple[int, int, int] = (2, 256, 32773)  # B, T, V: four full tiles and a tail
@@ -79,7 +80,7 @@ LAYOUTS = dataclasses.replace(REAL, name="layouts", groups=("env", "layouts"))
 # Every phase at tiny shapes, on whatever backend is there (CI runs it on the CPU).
 DRY = Plan("dry", logits_shapes=((1, 8), (2, 5)), vocab=300,
            layout_shapes=((16, 300), (8, 256)), layout_block_vocab=128,
-           layout_tilings=((256, 4),), one_pass_tilings=((128, 4, 3, 1), (128, 4, 3, 3)),
+           layout_tilings=((256, 4),), one_pass_tilings=((128, 4, 3, 1), (128, 4, 3, 3, 0)),
            head=(1, 16, 32, 300), family=(2, 6, 300), copy_rows=16, iters=2, head_iters=2,
            groups=GROUPS)
 PLANS = {p.name: p for p in (REAL, SHORT, LAYOUTS, DRY)}
@@ -139,7 +140,7 @@ def phases(groups: set[str], plan: Plan = REAL) -> list[tuple[str, list[str], in
                                              if plan.layout_block_vocab else [])), 240))
         if plan.one_pass_tilings:
             out.append(("gpu_one_pass", layouts("--one-pass-tilings", ",".join(
-                "x".join(map(str, t)) for t in plan.one_pass_tilings)), 180))
+                "x".join(map(str, t)) for t in plan.one_pass_tilings)), 240))
         if plan.layout_tilings:
             out.append(("gpu_tilings", layouts(
                 "--tilings", ",".join(f"{bv}x{w}" for bv, w in plan.layout_tilings)), 180))

@@ -132,7 +132,8 @@ def figures(records: list[dict]) -> dict[str, Any]:
         fig["one_pass_tilings"].setdefault(f"N{row['n']}_V{row['vocab']}", {})[
             row["layout"]] = {
             **{k: row.get(k) for k in ("block_vocab", "num_warps", "programs", "stages",
-                                       "kernel_ms", "dlogits_max_rel_diff_to_planned")},
+                                       "l2_hints", "kernel_ms",
+                                       "dlogits_max_rel_diff_to_planned")},
             "copy_fraction": of_copy(row.get("kernel_bytes_per_s"))}
     fig["one_pass_tiling"] = fastest(fig["one_pass_tilings"], ("kernel_ms",))
     for phase, rows in _rows(records, "liger").items():
@@ -298,10 +299,11 @@ def to_markdown(report: dict[str, Any]) -> str:
                   "XLA's row max, the statistics kernel's).",
                   "", f"GPU one_pass=None this run supports: {_fmt(fig['gpu_one_pass'])}."]
     if fig["one_pass_tilings"]:
-        lines += ["", "| N x V | one-pass tiling | tile | warps | programs | stages | "
-                  "kernel ms | of copy (2 V b) |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| N x V | one-pass tiling | tile | warps | programs | stages | L2 hints | "
+                  "kernel ms | of copy (2 V b) |", "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {s} | {k} | {v['block_vocab']} | {v['num_warps']} | {v['programs']} | "
-                  f"{_fmt(v['stages'])} | {_fmt(v['kernel_ms'])} | {_fmt(v['copy_fraction'])} |"
+                  f"{_fmt(v['stages'])} | {_fmt(v['l2_hints'])} | {_fmt(v['kernel_ms'])} | "
+                  f"{_fmt(v['copy_fraction'])} |"
                   for s, t in fig["one_pass_tilings"].items() for k, v in t.items()]
         lines += ["", f"One-pass kernel's fastest tiling (summed over the shapes): "
                   f"{_fmt(fig['one_pass_tiling'])} (one_pass: pallas_gpu_one_pass.plan_blocks's)."]

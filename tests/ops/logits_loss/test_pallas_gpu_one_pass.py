@@ -8,15 +8,17 @@ loss or gradient, which ``assert_matches_reference`` rejects.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jcore
 
 from grpo_kernels import GRPOLossConfig, PallasBlockSizes, PallasOptions, grpo_loss
-from grpo_kernels.objective import token_separable
+from grpo_kernels.objective import token_row_grad, token_separable
 from grpo_kernels.ops.logits_loss import pallas_gpu_one_pass as one_pass
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
 from tests.helpers import (cuda_module, family_grid, family_id, grid_id, loss_grid_split,
@@ -151,15 +153,58 @@ def test_plan_and_blocks():
     assert one_pass.plan_blocks(5, 300, stages=3).stages == 3
     assert 1 <= one_pass.default_programs(3) <= 3
     for field, value in (("block_vocab", 100), ("num_warps", 6), ("programs", 0),
-                         ("stages", 0), ("stages", 5)):
+                         ("stages", 0), ("stages", 5), ("l2_hints", 1)):
         kw = {"block_vocab": 128, "num_warps": 4, "programs": 2, field: value}
         with pytest.raises(ValueError, match=f"OnePassBlocks.{field} must be"):
             one_pass.OnePassBlocks(**kw)
+    assert one_pass.plan_blocks(5, 300).l2_hints
     with pytest.raises(ValueError, match="PallasBlockSizes.gpu_programs must be None or an int"):
         PallasBlockSizes(gpu_programs=0)
     with pytest.raises(ValueError, match=r"PallasBlockSizes.gpu_stages must be at most 4 "
                        r"\(each load stage holds a tile in registers\), got 5"):
         PallasBlockSizes(gpu_stages=5)
+
+
+def _eviction_policies(jaxpr, found: collections.Counter) -> collections.Counter:
+    """``(primitive, eviction_policy)`` counts of every load and store in ``jaxpr``, loop
+    bodies and the kernel's own jaxpr included."""
+    for e in jaxpr.eqns:
+        if "eviction_policy" in e.params:
+            found[e.primitive.name, e.params["eviction_policy"]] += 1
+        for p in e.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                    _eviction_policies(getattr(sub, "jaxpr", sub), found)
+    return found
+
+
+def test_l2_hints_keep_the_first_sweep_and_drop_the_second():
+    """With ``l2_hints`` the first sweep's full tiles load as ``evict_last`` (kept in L2 for
+    the second), the second sweep's loads and the dlogits stores as ``evict_first``; without,
+    no load or store carries a policy. Either way the numbers are the same."""
+    cfg = GRPOLossConfig(beta=0.04)
+    inp = random_inputs(41, 3, 5, 300, jnp.bfloat16, cfg)
+    z, ids = inp.logits.reshape(15, 300), inp.ids.reshape(15)
+    cols = {"weights": jnp.full((15,), 1 / 15), "advantages": inp.advantages.repeat(5),
+            "ref_logp": -jnp.abs(z[:, 0].astype(jnp.float32))}
+    outs, policies = [], []
+    for hints in (True, False):
+        blocks = one_pass.OnePassBlocks(128, 4, 4, 2, l2_hints=hints)
+
+        def fn(z, blocks=blocks):
+            return one_pass.one_pass(z, ids, cols, lambda lp, c: token_row_grad(lp, c, cfg),
+                                     0.7, blocks, interpret=True)
+
+        policies.append(_eviction_policies(jax.make_jaxpr(fn)(z).jaxpr, collections.Counter()))
+        outs.append(jax.jit(fn)(z))
+    hinted = {k: v for k, v in policies[0].items() if k[1] is not None}
+    # Two stages: the loop's load and the one issued ahead of it, in each sweep.
+    assert hinted == {("masked_load", "evict_last"): 2, ("masked_load", "evict_first"): 2,
+                      ("masked_swap", "evict_first"): 1}, policies[0]
+    assert all(k[1] is None for k in policies[1]) and policies[1], policies[1]
+    for a, b in zip(*outs):
+        assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32))))
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_int32_offsets_are_checked():

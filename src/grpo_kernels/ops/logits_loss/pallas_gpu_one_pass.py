@@ -24,6 +24,13 @@ rows' lines would be gone before their second sweep. A step then moves ``2 V b``
 traffic per token, against the two kernels' ``3 V b``, if L2 holds; ``make gpu-proof``
 measures whether it does (``benchmarks/gpu_layouts.py``'s ``one_pass`` rows).
 
+The dlogits stores pass through L2 as well, as much again as the rows being read, and so do
+the lines the second sweep has finished with. Left alone, L2 would evict by age, and the
+rows still waiting for their second sweep are the oldest lines. So the loads and stores
+carry eviction priorities (``OnePassBlocks.l2_hints``, on by default; PTX ``createpolicy``
+cache hints): the first sweep's loads ``evict_last``, the second sweep's loads and the
+stores ``evict_first``. The proof's one-pass sweep times the kernel without them too.
+
 One program per multiprocessor also means nothing else on it has loads in flight while the
 program reduces a tile, so each sweep keeps the next tiles' loads in flight meanwhile
 (``stages``, :func:`_sweep`).
@@ -71,18 +78,22 @@ class OnePassBlocks:
     """Tiling of the one-pass GPU kernel: vocabulary tile (a power of two), warps per program,
     persistent programs (each loops over every ``programs``-th row) and load stages: the
     tiles each sweep has loading at once (1: load a tile, then work on it; ``s``: the loads of
-    the next ``s - 1`` tiles are issued before the work on this one, see :func:`_sweep`)."""
+    the next ``s - 1`` tiles are issued before the work on this one, see :func:`_sweep`);
+    ``l2_hints``: the full tiles' L2 eviction priorities (module docstring), or none."""
 
     block_vocab: int
     num_warps: int
     programs: int
     stages: int = DEFAULT_STAGES
+    l2_hints: bool = True
 
     def __post_init__(self) -> None:
         check_int("OnePassBlocks", "block_vocab", self.block_vocab, power_of_two=True)
         check_int("OnePassBlocks", "num_warps", self.num_warps, power_of_two=True)
         check_int("OnePassBlocks", "programs", self.programs)
         check_int("OnePassBlocks", "stages", self.stages, maximum=MAX_STAGES, why=STAGES_WHY)
+        if not isinstance(self.l2_hints, bool):
+            raise ValueError(f"OnePassBlocks.l2_hints must be a bool, got {self.l2_hints!r}")
 
 
 def default_programs(n: int) -> int:
@@ -96,7 +107,8 @@ def plan_blocks(n: int, vocab: int, block_vocab: int | None = None,
                 programs: int | None = None, num_warps: int = 16,
                 stages: int | None = None) -> OnePassBlocks:
     """16384-column tiles and 16 warps (32 columns, four 16-byte vectors of bf16, per thread
-    and tile), :func:`default_programs` programs, two load stages; each may be given instead.
+    and tile), :func:`default_programs` programs, two load stages, L2 hints on; each but the
+    hints may be given instead.
 
     Not yet measured. Why this guess: with one program per multiprocessor, the program's loads
     are all the memory traffic a multiprocessor has in flight (Triton does not pipeline the
@@ -136,13 +148,16 @@ def _sweep(load: Callable, full: int, stages: int, body: Callable, init):
 
 
 def _kernel(x_ref, id_ref, zy_ref, *refs, vocab, align, full, width, block_vocab, inv_tau,
-            n, programs, stages, names, row_grad):
+            n, programs, stages, l2_hints, names, row_grad):
     # refs: one [N] float32 column per name, then the outputs logp, entropy, dlogits.
     col_refs = refs[:len(names)]
     logp_ref, ent_ref, o_ref = refs[len(names):]
     scale = _LOG2E * inv_tau
     pid = pl.program_id(0)
     idx = jnp.arange(block_vocab, dtype=jnp.int32)
+    # L2 eviction priorities (OnePassBlocks.l2_hints): the first sweep's lines are kept for
+    # the second; the second sweep's loads and the dlogits stores are last uses.
+    keep, drop = ("evict_last", "evict_first") if l2_hints else (None, None)
 
     def one_row(i, _):
         r = pid + i * programs
@@ -156,14 +171,14 @@ def _kernel(x_ref, id_ref, zy_ref, *refs, vocab, align, full, width, block_vocab
         def tile(k):
             return pl.ds(first + k * block_vocab, block_vocab)
 
-        def load(k):
-            return plgpu.load(x_ref.at[tile(k)])
+        def loader(policy):
+            return lambda k: plgpu.load(x_ref.at[tile(k)], eviction_policy=policy)
 
         def stats_tile(k, x, c):
             return merge_stats(c, aligned.stats_base2(x.astype(_F32) * scale))
 
         empty = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0))
-        c = merge_stats(_sweep(load, full, stages, stats_tile, empty),
+        c = merge_stats(_sweep(loader(keep), full, stages, stats_tile, empty),
                         aligned.edge_stats(x_ref, vocab, align, full, block_vocab, width, scale,
                                            r))
         y = id_ref[r]
@@ -182,10 +197,10 @@ def _kernel(x_ref, id_ref, zy_ref, *refs, vocab, align, full, width, block_vocab
             t = x.astype(_F32) * scale - lse2
             d = aligned.not_chosen_grad(jnp.exp2(t), t, a, hc2)
             d = d + jnp.where(idx == y - head - k * block_vocab, coef, 0.0)
-            plgpu.store(o_ref.at[tile(k)], d.astype(o_ref.dtype))
+            plgpu.store(o_ref.at[tile(k)], d.astype(o_ref.dtype), eviction_policy=drop)
             return c
 
-        _sweep(load, full, stages, grad_tile, jnp.int32(0))
+        _sweep(loader(drop), full, stages, grad_tile, jnp.int32(0))
         aligned.store_edge_grad(x_ref, o_ref, vocab, align, full, block_vocab, width, inv_tau, y,
                                 lse, coef, hcoef, ent, r)
         logp_ref[r], ent_ref[r] = logp, ent
@@ -211,7 +226,8 @@ def one_pass(z: Array, ids: Array, columns: dict[str, Array | None], row_grad: C
     kernel = functools.partial(
         _kernel, vocab=vocab, align=align, full=full, width=width,
         block_vocab=blocks.block_vocab, inv_tau=1.0 / temperature, n=n,
-        programs=blocks.programs, stages=blocks.stages, names=names, row_grad=row_grad)
+        programs=blocks.programs, stages=blocks.stages, l2_hints=blocks.l2_hints, names=names,
+        row_grad=row_grad)
     logp, ent, dz = pl.pallas_call(
         kernel, grid=(blocks.programs,),
         out_shape=(col, col, out_struct((n * vocab,), z.dtype, z, *args)),
