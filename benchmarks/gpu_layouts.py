@@ -84,16 +84,18 @@ def one_pass_list(text: str) -> list[pallas_gpu_one_pass.OnePassBlocks]:
     stages, L2 hints 0 or 1; stages default to the planner's, ``DEFAULT_STAGES``, hints to
     on); empty text: none."""
     out = _pairs(text)
-    stages = pallas_gpu_one_pass.MAX_STAGES
-    if out is None or any(len(t) not in (3, 4, 5) or not _tiling_ok(t) or t[2] < 1
-                          or (len(t) >= 4 and not 1 <= t[3] <= stages)
-                          or (len(t) == 5 and t[4] not in (0, 1)) for t in out):
+    try:  # OnePassBlocks checks programs and stages itself
+        if out is None or any(len(t) not in (3, 4, 5) or not _tiling_ok(t)
+                              or t[4:] not in ((), (0,), (1,)) for t in out):
+            raise ValueError(text)
+        return [pallas_gpu_one_pass.OnePassBlocks(*t[:4], *(bool(h) for h in t[4:]))
+                for t in out]
+    except ValueError:
         raise argparse.ArgumentTypeError(
             f"--one-pass-tilings wants tile x warps x programs [x load stages [x L2 hints]] "
-            f"(a power of two x 1, 2, 4, 8, 16 or 32 x >= 1 [x 1 to {stages} [x 0 or 1]]) "
-            f"like 8192x8x264x1,16384x16x132,16384x16x132x2x0, got {text!r}")
-    return [pallas_gpu_one_pass.OnePassBlocks(*t[:4], *(bool(h) for h in t[4:]))
-            for t in out]
+            f"(a power of two x 1, 2, 4, 8, 16 or 32 x >= 1 [x 1 to "
+            f"{pallas_gpu_one_pass.MAX_STAGES} [x 0 or 1]]) like "
+            f"8192x8x264x1,16384x16x132,16384x16x132x2x0, got {text!r}") from None
 
 
 def one_pass_name(b: pallas_gpu_one_pass.OnePassBlocks) -> str:

@@ -157,9 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         for layout, tile, warp, stage, hint in itertools.product(layouts, tiles, warps, stages,
                                                                  hints):
             if layout == "one_pass":
-                blocks = pallas_gpu_one_pass.plan_blocks(args.rows, args.vocab, tile)
-                blocks = dataclasses.replace(blocks, stages=stage or blocks.stages,
-                                             l2_hints=blocks.l2_hints if hint is None else hint)
+                blocks = pallas_gpu_one_pass.plan_blocks(args.rows, args.vocab, tile,
+                                                         stages=stage)
+                if hint is not None:
+                    blocks = dataclasses.replace(blocks, l2_hints=hint)
             else:
                 blocks = pallas_gpu.plan_blocks(args.vocab, tile, layout)
             blocks = dataclasses.replace(blocks, num_warps=warp or blocks.num_warps)
