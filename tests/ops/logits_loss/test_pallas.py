@@ -14,6 +14,8 @@ import pytest
 from jax.experimental import pallas as pl
 
 from grpo_kernels import GRPOLossConfig, PallasBlockSizes, PallasOptions, grpo_loss
+from grpo_kernels.objective.gradient import RowGrad
+from grpo_kernels.ops.core.tpu import GENERATIONS, VMEM_BYTES
 from grpo_kernels.ops.logits_loss import pallas_tpu
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
 from tests.helpers import (family_grid, family_id, grid_id, loss_grid_split, option_grid,
@@ -169,6 +171,54 @@ def test_block_plan_heuristic():
     small = pallas_tpu.plan_blocks(1000, jnp.float32, "v5e")
     assert small.block_rows == 512 and small.block_vocab == 1024
     assert pallas_tpu.plan_blocks(1000, jnp.float32, "v5e", 8, 256).block_rows == 8
+
+
+@pytest.mark.parametrize("vocab", [151_643, 151_936])
+@pytest.mark.parametrize("gen", GENERATIONS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_block_plan_fits_every_generations_vmem(gen, dtype, vocab):
+    """The blocks and the scoped limit fit the chip's VMEM (benchmarks/tpu_aot.py compiles
+    them); v4's 16 MiB takes 8-row blocks, single-buffered in float32."""
+    plan = pallas_tpu.plan_blocks(vocab, dtype, gen)
+    blocks = 2 * plan.buffers * plan.block_rows * vocab * jnp.dtype(dtype).itemsize
+    assert blocks + (2 << 20) <= plan.vmem_limit_bytes <= VMEM_BYTES[gen]
+    assert plan.block_rows % 8 == 0 and plan.buffers in (1, 2)
+    if gen == "v4":
+        assert (plan.block_rows, plan.buffers) == ((8, 2) if dtype == jnp.bfloat16 else (8, 1))
+    else:  # as before VMEM was per generation: 16 / 8 rows, double-buffered, 48 MiB
+        want = 16 if dtype == jnp.bfloat16 else 8
+        assert (plan.block_rows, plan.buffers, plan.vmem_limit_bytes) == (want, 2, 48 << 20)
+
+
+def test_block_plan_names_rows_that_fit_no_vmem():
+    assert pallas_tpu.plan_blocks(151_643, jnp.bfloat16, "v4", 16).buffers == 1
+    with pytest.raises(ValueError, match=r"TPU v4: 16 rows of V=151643 float32.*impl='xla'"):
+        pallas_tpu.plan_blocks(151_643, jnp.float32, "v4", 16)
+    with pytest.raises(ValueError, match=r"more than the chip's 16 MiB"):
+        pallas_tpu.plan_blocks(1_000_000, jnp.float32, "v4")
+
+
+def test_single_buffered_blocks_give_the_same_numbers():
+    """``TpuBlocks.buffers=1`` (``pl.Buffered(1)``, v4 in float32) changes the pipeline, not
+    the results: the three kernels agree bit for bit with the double-buffered ones."""
+    n, v = 40, 1000
+    k = jax.random.split(jax.random.key(7), 3)
+    z = jax.random.normal(k[0], (n, v), jnp.float32) * 3
+    ids = jax.random.randint(k[1], (n,), 0, v)
+    lse, coef = jax.random.normal(k[2], (2, n))
+    cols = {"advantages": coef}
+
+    def row_grad(logp, c):
+        return RowGrad(g=c["advantages"] * jnp.exp(logp), h=None)
+
+    outs = []
+    for buffers in (2, 1):
+        blocks = pallas_tpu.TpuBlocks(16, 256, 32 << 20, buffers)
+        outs.append((pallas_tpu.row_statistics(z, ids, 1.3, blocks, interpret=True),
+                     pallas_tpu.logits_gradient(z, ids, lse, coef, 1.3, blocks, interpret=True),
+                     pallas_tpu.one_pass(z, ids, cols, row_grad, 1.3, blocks, interpret=True)))
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+        assert bool(jnp.all(jnp.isfinite(a))) and bool(jnp.array_equal(a, b))
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -44,10 +44,17 @@ def to_bfloat16(x: Array) -> Array:
 
 
 def cast_to(x: Array, dtype: Any) -> Array:
-    """``x.astype(dtype)``, through :func:`to_bfloat16` for bfloat16 on CPU."""
-    if jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu":
-        return to_bfloat16(x)
-    return x.astype(dtype)
+    """``x.astype(dtype)``, through :func:`to_bfloat16` for bfloat16 on CPU.
+
+    The choice is made when the program is lowered, for the platform it is lowered for
+    (``jax.lax.platform_dependent``), not by the tracing host's backend: a TPU or GPU program
+    traced on a CPU host (``jax.export``, a compile for a TPU topology) keeps the plain
+    ``convert``, which XLA folds into the ops around it, and never the integer rounding.
+    """
+    if jnp.dtype(dtype) != jnp.bfloat16 or x.dtype == jnp.bfloat16:
+        return x.astype(dtype)
+    return jax.lax.platform_dependent(x, cpu=to_bfloat16,
+                                      default=lambda v: v.astype(jnp.bfloat16))
 
 
 def common_dtype(a: Any, b: Any) -> jnp.dtype:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from grpo_kernels.ops.core.options import check_int, check_interpret, resolved_interpret
+from grpo_kernels.ops.core.tpu import MiB, VMEM_BYTES, check_generation, scoped_vmem_limit
+from grpo_kernels.ops.core.tpu import tpu_generation
 from grpo_kernels.ops.core.validate import backend_kind
 
 
@@ -15,7 +17,9 @@ class LmHeadPallasBlockSizes:
     Attributes:
       block_rows: Rows per grid step ``tm`` (multiple of 16); ``None``: 256, or fewer for
         small ``N``.
-      block_vocab: Vocabulary tile ``tv`` (multiple of 128); ``None``: 512.
+      block_vocab: Vocabulary tile ``tv`` (multiple of 128); ``None``: 512, or 128 on a chip
+        with 16 MiB of VMEM (v4), where the ``dW`` kernel's ``[H, tv]`` blocks at 512 do not
+        fit (a deviceless compile at H = 4096 needed 26.5 MiB).
       block_hidden: ``H`` tile ``tk`` of the statistics kernel (a divisor of ``H``, multiple of
         128, or ``H``); ``None``: the largest of 2048, 1024, 512 that divides ``H``, else ``H``.
     """
@@ -36,7 +40,11 @@ class LmHeadPallasOptions:
 
     Attributes:
       blocks: The kernels' tiling; ``None``: the defaults of :class:`LmHeadPallasBlockSizes`.
-      vmem_limit_bytes: Scoped VMEM limit of the kernels; ``None``: 64 MiB.
+      vmem_limit_bytes: Scoped VMEM limit of the kernels; ``None``: 64 MiB, or the chip's
+        VMEM where that is less.
+      tpu_generation: The TPU the tiles are planned for (as
+        :class:`~grpo_kernels.ops.logits_loss.pallas.PallasOptions`); ``None``: the first
+        device's, else ``"v6e"``.
       interpret: Interpret mode; ``None``: exactly when the backend is CPU; ``"hlo"``: JAX's
         generic HLO interpreter (what :mod:`grpo_kernels.sharding` uses on a CPU mesh).
     """
@@ -44,9 +52,11 @@ class LmHeadPallasOptions:
     blocks: LmHeadPallasBlockSizes | None = None
     vmem_limit_bytes: int | None = None
     interpret: bool | str | None = None
+    tpu_generation: str | None = None
 
     def __post_init__(self) -> None:
         check_interpret("LmHeadPallasOptions", self.interpret)
+        check_generation("LmHeadPallasOptions", self.tpu_generation)
         check_int("LmHeadPallasOptions", "vmem_limit_bytes", self.vmem_limit_bytes)
         if self.blocks is not None and not isinstance(self.blocks, LmHeadPallasBlockSizes):
             raise ValueError(f"LmHeadPallasOptions.blocks must be None or an "
@@ -67,11 +77,13 @@ class Tiles:
 def plan_tiles(n: int, hidden: int, vocab: int, opts: LmHeadPallasOptions) -> Tiles:
     """Tile sizes for ``N`` rows, hidden size ``H`` and vocabulary ``V`` (see the options)."""
     blocks = opts.blocks or LmHeadPallasBlockSizes()
+    gen = tpu_generation(opts.tpu_generation)
     rows = blocks.block_rows or min(256, -(-n // 16) * 16)
-    tv = blocks.block_vocab or min(512, -(-vocab // 128) * 128)
+    tv = blocks.block_vocab or min(512 if VMEM_BYTES[gen] >= 64 * MiB else 128,
+                                   -(-vocab // 128) * 128)
     tk = blocks.block_hidden
     if tk is None:
         tk = next((c for c in (2048, 1024, 512) if hidden % c == 0 and c < hidden), hidden)
     if hidden % tk:
         raise ValueError(f"LmHeadPallasBlockSizes.block_hidden={tk} must divide H={hidden}")
-    return Tiles(rows, tv, tk, opts.vmem_limit_bytes or (64 << 20))
+    return Tiles(rows, tv, tk, opts.vmem_limit_bytes or scoped_vmem_limit(gen, 64 * MiB))

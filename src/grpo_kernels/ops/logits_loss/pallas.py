@@ -25,6 +25,7 @@ from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import token_row_grad, token_separable
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.options import check_int, check_interpret, resolved_interpret
+from grpo_kernels.ops.core.tpu import check_generation
 from grpo_kernels.ops.core.validate import backend_kind
 from grpo_kernels.ops.core.vjp import loss_from_pieces, loss_with_gradient
 from grpo_kernels.ops.logits_loss import pallas_gpu, pallas_gpu_one_pass, pallas_tpu
@@ -86,6 +87,10 @@ class PallasOptions:
         the measured default) or ``"aligned"`` (tiles on 16-byte boundaries, no column ids
         inside them; :mod:`~grpo_kernels.ops.logits_loss.pallas_gpu_aligned`). Ignored by the
         TPU kernels.
+      tpu_generation: The TPU the TPU kernels' blocks are sized for (``"v4"``, ``"v5e"``,
+        ``"v5p"``, ``"v6e"``, ``"v7x"``: :data:`grpo_kernels.ops.core.tpu.VMEM_BYTES`);
+        ``None``: the first device's, else ``"v6e"``. Name it when tracing on one host for
+        another (``jax.export``, or a compile for a TPU topology from a CPU host).
       interpret: Run the kernels in interpret mode; ``None``: exactly when the backend is CPU.
         ``"hlo"``: JAX's generic HLO interpreter instead of the TPU one (what
         :mod:`grpo_kernels.sharding` uses on a CPU mesh: the TPU interpreter makes every device
@@ -99,9 +104,11 @@ class PallasOptions:
     interpret: bool | Literal["hlo"] | None = None
     one_pass: bool | None = None
     gpu_layout: Literal["rows", "aligned"] = "rows"
+    tpu_generation: str | None = None
 
     def __post_init__(self) -> None:
         check_interpret("PallasOptions", self.interpret)
+        check_generation("PallasOptions", self.tpu_generation)
         if self.kernel not in ("auto", "tpu", "gpu"):
             raise ValueError(f"PallasOptions.kernel must be 'auto', 'tpu' or 'gpu', "
                              f"got {self.kernel!r}")
@@ -141,7 +148,8 @@ class PallasOptions:
 
 def _tpu_tiling(vocab: int, dtype, opts: PallasOptions) -> pallas_tpu.TpuBlocks:
     blocks = opts.blocks or PallasBlockSizes()
-    return pallas_tpu.plan_blocks(vocab, dtype, None, blocks.block_rows, blocks.block_vocab)
+    return pallas_tpu.plan_blocks(vocab, dtype, opts.tpu_generation, blocks.block_rows,
+                                  blocks.block_vocab)
 
 
 def kernels(vocab: int, dtype, opts: PallasOptions):

@@ -38,6 +38,7 @@ from jax.experimental.pallas import tpu as pltpu
 from grpo_kernels.compat import out_struct
 from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, sweep
 from grpo_kernels.ops.core.online_softmax import softmax_grad
+from grpo_kernels.ops.core.tpu import MiB, VMEM_BYTES, scoped_vmem_limit, tpu_generation
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -45,36 +46,23 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class TpuBlocks:
-    """Tiling of the TPU kernels: rows per grid step, vocabulary tile, scoped VMEM limit."""
+    """Tiling of the TPU kernels: rows per grid step, vocabulary tile, scoped VMEM limit, and
+    how many buffers the pipeline keeps of each ``[rows, V]`` block (2 overlaps the next
+    block's DMA with this one's sweep; 1 when two do not fit the chip's VMEM)."""
 
     block_rows: int
     block_vocab: int
     vmem_limit_bytes: int
+    buffers: int = 2
 
 
-# (generation) -> (VMEM bytes the double-buffered blocks of the backward may use, scoped limit).
-# v5e/v6e have 128 MiB of VMEM, v7x 64 MiB, v4 and v5p less per core in practice; the block
-# budget leaves room for the in-kernel float32 tiles.
-_VMEM_TABLE = {
-    "v4": (12 << 20, 24 << 20),
-    "v5p": (24 << 20, 48 << 20),
-    "v5e": (24 << 20, 48 << 20),
-    "v6e": (24 << 20, 48 << 20),
-    "v7x": (24 << 20, 48 << 20),
-}
-_DEFAULT_GENERATION = "v6e"
-
-
-def tpu_generation() -> str:
-    """``v4``/``v5e``/``v5p``/``v6e``/``v7x`` from the first device, else the default."""
-    kind = jax.devices()[0].device_kind.lower() if jax.devices() else ""
-    if "tpu" not in kind:
-        return _DEFAULT_GENERATION
-    for key, gen in (("v4", "v4"), ("v5 lite", "v5e"), ("v5e", "v5e"), ("v5p", "v5p"),
-                     ("v5", "v5p"), ("v6", "v6e"), ("7", "v7x")):
-        if key in kind:
-            return gen
-    return _DEFAULT_GENERATION
+# Of a chip's VMEM, what the backward's [rows, V] blocks (logits in, dlogits out) may take
+# (the rest holds the in-kernel float32 tiles and the [rows, 1] columns), what else a kernel
+# needs beyond its blocks, and the scoped limit asked for when the chip has room.
+_BLOCK_BUDGET = 24 * MiB
+_HEADROOM = 4 * MiB
+_OTHER = 2 * MiB
+_LIMIT = 48 * MiB
 
 
 def plan_blocks(vocab: int, dtype: Any, generation: str | None = None,
@@ -82,21 +70,40 @@ def plan_blocks(vocab: int, dtype: Any, generation: str | None = None,
     """Block sizes from the ``(V, dtype, generation)`` heuristic, with overrides.
 
     ``block_rows``: as many rows as let the backward's four ``[rows, V]`` buffers (logits and
-    dlogits, double-buffered) fit the generation's VMEM budget, rounded down to the dtype's
-    sublane tile (8 for 4-byte, 16 for 2-byte types), at least one tile and at most 512.
+    dlogits, double-buffered) fit ``min(24 MiB, VMEM - 4 MiB)``, rounded down to the dtype's
+    sublane tile (8 for 4-byte, 16 for 2-byte types), at most 512. Where not even one tile
+    fits (v4's 16 MiB at Qwen's vocabulary), 8 rows; where 8 rows do not fit double-buffered,
+    8 rows single-buffered. A given ``block_rows`` is single-buffered when only that fits.
     ``block_vocab``: 2048 columns (a multiple of 128; 16 rows x 2048 float32 is 128 KiB per
     in-kernel temporary), fewer for a small ``V``.
+
+    Raises:
+      ValueError: the rows (given or planned) do not fit the generation's VMEM even with one
+        buffer each; the message names the sizes and ``impl="xla"``, which has no such limit.
     """
-    itemsize = jnp.dtype(dtype).itemsize
-    tile = 8 * max(1, 4 // itemsize)
-    budget, limit = _VMEM_TABLE.get(generation or tpu_generation(), _VMEM_TABLE["v6e"])
+    gen = tpu_generation(generation)
+    vmem = VMEM_BYTES[gen]
+    budget = min(_BLOCK_BUDGET, vmem - _HEADROOM)
+    row_bytes = vocab * jnp.dtype(dtype).itemsize
+    tile = 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+    buffers = 2
     if block_rows is None:
-        rows = budget // (4 * vocab * itemsize)
-        block_rows = max(tile, min(512, rows // tile * tile))
+        rows = budget // (4 * row_bytes)
+        block_rows = min(512, rows // tile * tile) or rows // 8 * 8
+        if not block_rows:
+            block_rows, buffers = 8, 1
+    elif 4 * block_rows * row_bytes > budget and 2 * block_rows * row_bytes <= budget:
+        buffers = 1
+    blocks_bytes = 2 * buffers * block_rows * row_bytes
+    if blocks_bytes + _OTHER > vmem:
+        raise ValueError(
+            f"TPU {gen}: {block_rows} rows of V={vocab} {jnp.dtype(dtype).name} logits need "
+            f"{blocks_bytes / MiB:.1f} MiB of VMEM for the logits and dlogits blocks, more "
+            f"than the chip's {vmem // MiB} MiB allows; use impl='xla'")
     if block_vocab is None:
         block_vocab = min(2048, -(-vocab // 128) * 128)
-    needed = 4 * block_rows * vocab * itemsize + (8 << 20)
-    return TpuBlocks(block_rows, block_vocab, max(limit, needed))
+    limit = scoped_vmem_limit(gen, max(_LIMIT, blocks_bytes + 8 * MiB))
+    return TpuBlocks(block_rows, block_vocab, limit, buffers)
 
 
 def _vocab_tiles(vocab: int, block_vocab: int, body, carry):
@@ -168,8 +175,10 @@ def _compiler_params(blocks: TpuBlocks):
                                 vmem_limit_bytes=blocks.vmem_limit_bytes)
 
 
-def _row_spec(rows: int, width: int):
-    return pl.BlockSpec((rows, width), lambda i: (i, 0))
+def _row_spec(rows: int, width: int, buffers: int = 2):
+    if buffers == 2:  # the pipeline's default
+        return pl.BlockSpec((rows, width), lambda i: (i, 0))
+    return pl.BlockSpec((rows, width), lambda i: (i, 0), pipeline_mode=pl.Buffered(buffers))
 
 
 def _interpret_arg(interpret: bool | str):
@@ -224,7 +233,7 @@ def row_statistics(z: Array, ids: Array, temperature: float, blocks: TpuBlocks,
         out = out_struct((out_rows, 1), _F32, zz, *per_row)
         return pl.pallas_call(
             kernel, grid=(grid,), out_shape=(out, out, out),
-            in_specs=[_row_spec(rows, vocab), _row_spec(rows, 1)],
+            in_specs=[_row_spec(rows, vocab, blocks.buffers), _row_spec(rows, 1)],
             out_specs=(_row_spec(rows, 1),) * 3,
             compiler_params=_compiler_params(blocks), interpret=_interpret_arg(interpret),
             name="grpo_row_statistics",
@@ -260,10 +269,11 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
                                inv_tau=1.0 / temperature)
 
     def call(zz, per_row, rows, grid, out_rows, alias):
+        n_cols = len(per_row)
         return pl.pallas_call(
             kernel, grid=(grid,), out_shape=out_struct((out_rows, vocab), z.dtype, zz, *per_row),
-            in_specs=[_row_spec(rows, vocab)] + [_row_spec(rows, 1)] * len(per_row),
-            out_specs=_row_spec(rows, vocab),
+            in_specs=[_row_spec(rows, vocab, blocks.buffers)] + [_row_spec(rows, 1)] * n_cols,
+            out_specs=_row_spec(rows, vocab, blocks.buffers),
             input_output_aliases={0: 0} if alias else {},
             compiler_params=_compiler_params(blocks), interpret=_interpret_arg(interpret),
             name="grpo_logits_gradient",
@@ -301,12 +311,14 @@ def one_pass(z: Array, ids: Array, columns: dict[str, Array | None], row_grad: C
                                inv_tau=1.0 / temperature, names=names, row_grad=row_grad)
 
     def call(zz, per_row, rows, grid, out_rows, alias):
+        n_cols = len(per_row)
         col = out_struct((out_rows, 1), _F32, zz, *per_row)
         return pl.pallas_call(
             kernel, grid=(grid,),
             out_shape=(col, col, out_struct((out_rows, vocab), z.dtype, zz, *per_row)),
-            in_specs=[_row_spec(rows, vocab)] + [_row_spec(rows, 1)] * len(per_row),
-            out_specs=(_row_spec(rows, 1), _row_spec(rows, 1), _row_spec(rows, vocab)),
+            in_specs=[_row_spec(rows, vocab, blocks.buffers)] + [_row_spec(rows, 1)] * n_cols,
+            out_specs=(_row_spec(rows, 1), _row_spec(rows, 1),
+                       _row_spec(rows, vocab, blocks.buffers)),
             input_output_aliases={0: 2} if alias else {},
             compiler_params=_compiler_params(blocks), interpret=_interpret_arg(interpret),
             name="grpo_one_pass",
