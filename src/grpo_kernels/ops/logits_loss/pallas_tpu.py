@@ -18,7 +18,8 @@ Layout. A block is ``[block_rows, V]``: whole rows go from HBM to VMEM in one DM
 the vocabulary *inside* VMEM in ``block_vocab`` columns with a ``fori_loop`` and a static,
 narrower last tile. A ragged ``V`` (151,643 for Qwen2.5) is therefore handled in the kernel:
 nothing is padded and no read leaves the array. The row block's second-minor size is a multiple
-of 8 (float32) or 16 (bfloat16), as TPU tiling wants; per-row inputs and outputs are ``[N, 1]``
+of 8 (float32) or 16 (bfloat16), as TPU tiling wants, or 8 bfloat16 rows where 16 do not fit
+the chip's VMEM (v4: :func:`plan_blocks`); per-row inputs and outputs are ``[N, 1]``
 columns whose block ``[block_rows, 1]`` spans the full minor dimension, valid for any ``B``.
 Rows beyond the last full block (``N mod block_rows``) go through one more call on a small copy
 of just those rows, so no block ever reads past the array.
