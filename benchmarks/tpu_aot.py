@@ -23,6 +23,7 @@ head matmul inside the same jit produces for the kernel, ``default`` shows the o
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.ops.core.dtypes import parse_dtype
+from grpo_kernels.ops.core.dtypes import DTYPE_CHOICES, parse_dtype
 from grpo_kernels.ops.core.tpu import GENERATIONS
 
 # A topology name per generation as libtpu 0.0.42 spells them (one host of each).
@@ -159,7 +160,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--time", type=_ints, default=[2048], help="comma-separated T values")
     p.add_argument("--vocab", type=int, default=151_643, help="V (default: Qwen2.5's 151,643)")
     p.add_argument("--hidden", type=int, default=4096, help="H of the fused head")
-    p.add_argument("--dtype", type=_names(("bfloat16", "float32", "bf16", "f32")),
+    p.add_argument("--dtype", type=_names(DTYPE_CHOICES),
                    default=["bfloat16", "float32"], help="comma-separated logits dtypes")
     p.add_argument("--level", type=_names(("token", "sequence")),
                    default=["token", "sequence"], help="importance-sampling level")
@@ -188,33 +189,29 @@ def main(argv=None) -> int:
     failed = 0
     for gen in args.generations:
         dev = device(gen)
-        for op in args.op:
-            for b in args.batch:
-                for t in args.time:
-                    for dname in args.dtype:
-                        dtype = parse_dtype(dname)
-                        for level in args.level:
-                            if op == "logits":
-                                step, a, nbytes = logits_step(gen, dev, b, t, args.vocab, dtype,
-                                                              level, args.logits_layout)
-                            else:
-                                step, a, nbytes = head_step(gen, dev, b, t, args.hidden,
-                                                            args.vocab, dtype, level)
-                            row = {"op": op, "generation": gen, "device_kind": dev.device_kind,
-                                   "batch": b, "time": t, "vocab": args.vocab,
-                                   "dtype": jnp.dtype(dtype).name, "level": level,
-                                   "logits_layout": args.logits_layout if op == "logits"
-                                   else None, "hidden": args.hidden if op == "lm_head" else None}
-                            row.update(compile_case(step, a, nbytes, (b, t, args.vocab)))
-                            failed += not row["ok"]
-                            line = json.dumps(row)
-                            print(line, flush=True)
-                            if out:
-                                out.write(line + "\n")
+        for op, b, t, dname, level in itertools.product(args.op, args.batch, args.time,
+                                                        args.dtype, args.level):
+            dtype = parse_dtype(dname)
+            if op == "logits":
+                step, a, nbytes = logits_step(gen, dev, b, t, args.vocab, dtype, level,
+                                              args.logits_layout)
+            else:
+                step, a, nbytes = head_step(gen, dev, b, t, args.hidden, args.vocab, dtype,
+                                            level)
+            row = {"op": op, "generation": gen, "device_kind": dev.device_kind, "batch": b,
+                   "time": t, "vocab": args.vocab, "dtype": jnp.dtype(dtype).name,
+                   "level": level,
+                   "logits_layout": args.logits_layout if op == "logits" else None,
+                   "hidden": args.hidden if op == "lm_head" else None}
+            row.update(compile_case(step, a, nbytes, (b, t, args.vocab)))
+            failed += not row["ok"]
+            line = json.dumps(row)
+            print(line, flush=True)
+            if out:
+                out.write(line + "\n")
     if out:
         out.close()
     return 1 if failed else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

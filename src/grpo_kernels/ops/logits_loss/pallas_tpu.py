@@ -74,7 +74,8 @@ def plan_blocks(vocab: int, dtype: Any, generation: str | None = None,
     dlogits, double-buffered) fit ``min(24 MiB, VMEM - 4 MiB)``, rounded down to the dtype's
     sublane tile (8 for 4-byte, 16 for 2-byte types), at most 512. Where not even one tile
     fits (v4's 16 MiB at Qwen's vocabulary), 8 rows; where 8 rows do not fit double-buffered,
-    8 rows single-buffered. A given ``block_rows`` is single-buffered when only that fits.
+    8 rows single-buffered. A given ``block_rows`` is double-buffered whenever the chip's
+    VMEM holds that (the limit is raised to fit), single-buffered when only that fits.
     ``block_vocab``: 2048 columns (a multiple of 128; 16 rows x 2048 float32 is 128 KiB per
     in-kernel temporary), fewer for a small ``V``.
 
@@ -93,7 +94,7 @@ def plan_blocks(vocab: int, dtype: Any, generation: str | None = None,
         block_rows = min(512, rows // tile * tile) or rows // 8 * 8
         if not block_rows:
             block_rows, buffers = 8, 1
-    elif 4 * block_rows * row_bytes > budget and 2 * block_rows * row_bytes <= budget:
+    elif 4 * block_rows * row_bytes + _OTHER > vmem:
         buffers = 1
     blocks_bytes = 2 * buffers * block_rows * row_bytes
     if blocks_bytes + _OTHER > vmem:
