@@ -78,9 +78,63 @@ def test_an_argument_layout_without_the_vocabulary_minor_costs_two_copies():
     assert padded["logits_copies"] == 0 and planned_peak(padded) <= 1.01
 
 
+def test_the_sharded_steps_compile_for_a_two_host_slice():
+    """dp=2 x tp=4 over v5e:2x4 (8 chips on two hosts), B=8, T=2048, V=151,936 bf16, each
+    implementation of each op. The logits loss: per device logits + dlogits + 1%, no relayout,
+    collectives of [B/2, T] statistics only. The fused head: the Pallas kernels take each
+    [H, V/4] shard (kept H-minor by the TPU) as W^T, no copy of it and under 64 MiB of
+    temporaries; the reference plans its [B/2, T, V/4] logits."""
+    rows = run("--impl", "reference,xla,pallas", "--op", "logits,lm_head", "--mesh",
+               "dp=2,tp=4", "--batch", "8", "--generations", "v5e", "--dtype", "bf16",
+               "--level", "token", "--vocab", "151936")
+    assert len(rows) == 6 and all(r["ok"] and r["topology"] == "v5e:2x4" for r in rows), rows
+    got = {(r["op"], r["impl"]): r for r in rows}
+    for impl in ("reference", "xla", "pallas"):
+        r = got["logits", impl]
+        assert r["logits_copies"] == 0 and r["largest_collective_elements"] <= 4 * 2048, r
+    assert planned_peak(got["logits", "pallas"]) <= 1.01
+    assert got["logits", "pallas"]["kernels"] == ["grpo_logits_gradient", "grpo_row_statistics"]
+    head = got["lm_head", "pallas"]
+    assert head["head_copies"] == 0 and head["temp_bytes"] < 64 << 20, head
+    assert head["tpu_custom_calls"] == 3 and head["largest_collective_elements"] == 4096 * 37_984
+    assert got["lm_head", "reference"]["temp_bytes"] >= head["logits_bytes"]
+
+
+def test_batch_axes_alone_run_the_one_pass_kernel():
+    """dp=8 over v5e:2x4: with no vocab axis a token-level step compiles to the one-pass kernel
+    (the logits read once) under shard_map's varying-axes typing; sequence level to two."""
+    rows = run("--mesh", "dp=8", "--batch", "8", "--generations", "v5e", "--dtype", "bf16",
+               "--vocab", "151936")
+    assert len(rows) == 2 and all(r["ok"] and planned_peak(r) <= 1.01 for r in rows), rows
+    kernels = {r["level"]: r["kernels"] for r in rows}
+    assert kernels == {"token": ["grpo_one_pass"],
+                       "sequence": ["grpo_logits_gradient", "grpo_row_statistics"]}
+
+
+def test_a_head_shard_as_given_costs_two_copies():
+    """LmHeadPallasOptions(match_tpu_layout=False) on the same [H, V/4] shards: XLA copies each
+    device's W into row-major for the kernels and dW back, two shard-sized temporaries."""
+    as_given, matched = (run("--op", "lm_head", "--mesh", "tp=4", "--batch", "2", "--time",
+                             "1024", "--generations", "v6e", "--dtype", "bf16", "--level",
+                             "token", "--vocab", "151936", *flag)[0]
+                         for flag in (["--head-as-given"], []))
+    shard = 4096 * 37_984 * 2
+    assert as_given["head_copies"] == 2 and matched["head_copies"] == 0
+    assert as_given["temp_bytes"] - matched["temp_bytes"] >= 2 * shard
+
+
+def test_the_tpu_argument_layout_rule():
+    """ops.core.tpu.row_major_by_default gives the layout XLA:TPU picks for a rank-2 argument,
+    on the named shapes (Qwen's vocabulary, its shards, ties) and 20 random ones, bf16 and f32."""
+    rows = run("--op", "layout-rule", "--generations", "v5e", "--shapes", "20")
+    assert len(rows) == 2 * 33 and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    assert {r["xla_row_major"] for r in rows} == {True, False}
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--generations", "v3"], "not among"), (["--op", "logits,head"], "not among"),
-    (["--dtype", "f16"], "not among")])
+    (["--dtype", "f16"], "not among"), (["--impl", "triton"], "not among"),
+    (["--mesh", "dp=two"], "axis=size pairs"), (["--batch", "4,x"], "invalid literal")])
 def test_bad_arguments_are_named(argv, match, capsys):
     with pytest.raises(SystemExit):
         tpu_aot.parse_args(argv)

@@ -21,6 +21,9 @@ from grpo_kernels import (
 )
 from grpo_kernels.config import CLASSIC_LOSS_TYPES
 from grpo_kernels.ops.lm_head_loss.inputs import random_head_inputs
+from grpo_kernels.objective import RowGrad, token_separable
+from grpo_kernels.ops.logits_loss import pallas_tpu
+from grpo_kernels.ops.logits_loss import xla as logits_xla
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
 from grpo_kernels.sharding import (
     ShardingSpec,
@@ -277,10 +280,90 @@ FAMILY_RUNS = ([("xla", i, MESHES[1]) for i in range(len(FAMILY))]
 def test_family_equals_one_device(impl, index, m):
     """The entropy quantile over the whole batch (all_gather over the batch axes), the entropy
     gradient through the vocab split, the sequence masks over split rows."""
+    cfg, inp = _family_inputs(index)
+    _check_logits_on_mesh(m, cfg, inp, impl)
+
+
+def _family_inputs(index):
     cfg = FAMILY[index]
     inp = random_inputs(10, B, T, V, jnp.float32, cfg, noise=0.3)
-    inp = inp.__class__(**{**inp.__dict__, "mask": inp.mask.at[3].set(0.0)})
-    _check_logits_on_mesh(m, cfg, inp, impl)
+    return cfg, inp.__class__(**{**inp.__dict__, "mask": inp.mask.at[3].set(0.0)})
+
+
+# Token-separable configs whose normalisers need the whole batch: tunix's non-empty-row
+# aggregations with sampler weights, luspo's B T, cispo's token count, the entropy bonus's h.
+ONE_PASS_CASES = [("option", 1), ("option", 3), ("family", 0), ("family", 6), ("family", 16)]
+
+
+def _case_id(kind, index):
+    return f"{kind}-{option_id(OPTIONS[index]) if kind == 'option' else family_id(FAMILY[index])}"
+
+
+@pytest.mark.parametrize("kind,index", ONE_PASS_CASES,
+                         ids=[_case_id(*c) for c in ONE_PASS_CASES])
+def test_one_pass_kernel_over_batch_axes_equals_one_device(monkeypatch, kind, index):
+    """Without a vocab axis (dp=8) pallas runs the one-pass kernel on each device's whole
+    rows, its per-token weights and the loss normalised over the whole batch (psums of the
+    mask); with one (dp=2 x tp=4) it runs the two kernels, since a shard lacks the row's lse.
+    One row of the batch is empty, so the non-empty-row counts differ per device."""
+    calls = []
+    real = pallas_tpu.one_pass
+
+    def spy(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(pallas_tpu, "one_pass", spy)
+    cfg, inp = _option_inputs(index) if kind == "option" else _family_inputs(index)
+    _check_logits_on_mesh(MESHES[0], cfg, inp, "pallas")
+    assert calls, "the one-pass kernel did not run"
+    calls.clear()
+    _check_logits_on_mesh(MESHES[1], cfg, inp, "pallas")
+    assert not calls
+
+
+def _xla_one_pass(z, ids, columns, row_grad, tau, blocks, interpret=False, alias_logits=False):
+    """pallas_tpu.one_pass's contract in plain XLA (ops/logits_loss/xla.py's pieces)."""
+    n, v = z.shape
+    stats, grad = logits_xla.pieces((1, n, v), None, tau)
+    logp, lse, ent = (x.reshape(n) for x in stats((z[None],), ids[None]))
+    rg = row_grad(logp, {k: c for k, c in columns.items() if c is not None})
+    rg = RowGrad(rg.g, rg.h, None if rg.h is None else ent).over(tau)
+    (dz,) = grad((z[None],), ids[None], lse[None], rg.map(lambda x: x.reshape(1, n)))
+    return logp, ent, dz[0]
+
+
+def _xla_row_statistics(z, ids, tau, blocks, interpret=False):
+    n, v = z.shape
+    out = logits_xla.pieces((1, n, v), None, tau)[0]((z[None],), ids[None])
+    return tuple(x.reshape(n) for x in out)
+
+
+@pytest.mark.parametrize("index", [0, 16], ids=lambda i: family_id(FAMILY[i]))
+def test_one_pass_gradient_under_vma_typing(monkeypatch, index):
+    """The one-pass path under shard_map's varying-axes typing (check_vma=True, as compiled
+    kernels run), which interpreted Pallas cannot use: the kernel swapped for the same
+    contract in plain XLA, so the gradient's carrier and its batch_sum are checked as a TPU
+    runs them. Under this typing a psum's cotangent is not split over the devices, so a
+    carrier that did not vary over the batch axes would come back 8 times too large."""
+    monkeypatch.setattr(pallas_tpu, "one_pass", _xla_one_pass)
+    monkeypatch.setattr(pallas_tpu, "row_statistics", _xla_row_statistics)
+    cfg, inp = _family_inputs(index)
+    assert token_separable(cfg)
+    mesh, spec = make(MESHES[0])
+    opts = PallasOptions(kernel="tpu", interpret=False)
+
+    def sharded(z):
+        return sharded_grpo_loss(z, inp.ids, inp.mask, inp.advantages, mesh=mesh,
+                                 sharding=spec, config=cfg, impl="pallas", options=opts,
+                                 **inp.kwargs())
+
+    def one(z):
+        return grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=cfg, impl="reference",
+                         **inp.kwargs())
+
+    want = jax.value_and_grad(one, has_aux=True)(inp.logits)
+    _check(jax.jit(jax.value_and_grad(sharded, has_aux=True))(inp.logits), want)
 
 
 HEAD_FAMILY = [c for c in FAMILY if c.entropy_coef != 0]

@@ -132,10 +132,26 @@ def _sequence_split(spec: ShardingSpec, mesh: Mesh, time: int, impl: str,
     return None if time % k or by_vocab else (spec.vocab_axis, k)
 
 
+def _one_pass_options(op: OpKind, impl: str, options: Any, config: GRPOLossConfig,
+                      spec: ShardingSpec) -> Any:
+    """The Pallas options when the logits loss runs the one-pass kernel on this mesh, else
+    None: only without a vocab axis, since the kernel writes ``dlogits`` from the whole row's
+    ``lse`` and a vocabulary shard has its own columns' alone until :func:`combine`. The
+    normalisers it needs are whole-batch sums of the mask, known before the kernel."""
+    if op is not LOGITS or impl != "pallas" or spec.vocab_axis is not None:
+        return None
+    opts = _on_mesh(options, logits_pallas.PallasOptions())
+    return opts if opts.resolved_one_pass(config) else None
+
+
 def _shard_loss(primals: Primals, batch: TokenBatch, *, op: OpKind, config: GRPOLossConfig,
                 spec: ShardingSpec, impl: str, options: Any,
                 vocab: int) -> tuple[Array, dict[str, Array]]:
     """The loss on one device's block; every collective goes through ``spec``."""
+    one_pass = _one_pass_options(op, impl, options, config, spec)
+    if one_pass is not None:
+        return logits_pallas.one_pass_loss(primals[0], batch, config, one_pass,
+                                           spec.batch_sum, spec.batch_gather)
     tau = config.temperature
     owned, stat_ids, hit_ids = split_ids(batch.ids, vocab, op.local_vocab(primals), spec)
     if impl == "reference":

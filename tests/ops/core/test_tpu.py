@@ -22,7 +22,7 @@ def test_generation_of_device_kind(kind, gen):
 def test_a_cpu_host_plans_for_the_default_unless_told():
     assert tpu.tpu_generation() == tpu.DEFAULT_GENERATION == "v6e"
     assert tpu.tpu_generation("v4") == "v4"
-    with pytest.raises(ValueError, match="tpu_generation must be None or one of"):
+    with pytest.raises(ValueError, match=r"^tpu_generation must be None or one of .*'v3'"):
         tpu.tpu_generation("v3")
 
 
@@ -58,3 +58,14 @@ def test_bfloat16_cast_is_chosen_for_the_lowering_platform():
         assert "shift_right_logical" not in text(platform) and "convert" in text(platform)
     got = fn(x)
     assert got.dtype == jnp.bfloat16 and bool(jnp.array_equal(got, (x * 3).astype(jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("shape,row_major", [
+    ((4096, 151_936), True), ((4096, 151_643), False), ((4096, 151_936 // 4), False),
+    ((151_643, 4096), True), ((100, 151_643), True), ((4096, 151_675), True),
+    ((4096, 151_668), False), ((37_984, 100), False), ((4096, 64), False), ((130, 300), True)])
+def test_the_tpu_argument_layout_rule(shape, row_major):
+    """Row-major unless H-minor pads less in (8, 128) tiles; a tie stays row-major
+    ([4096, 151,675]: both pad to 151,680). libtpu's compiler agrees on each of these
+    (tests/benchmarks/test_tpu_aot.py)."""
+    assert tpu.row_major_by_default(shape) is row_major

@@ -1,6 +1,8 @@
 """Fused LM-head loss: every implementation against the reference, which is checked against a
 float64 oracle; layouts, bias, dtypes, memory, bad input, TPU lowering at the real shape."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -156,6 +158,27 @@ def test_family_matches_reference(impl, dweight, index):
 def test_layouts_and_bias(impl, layout, bias):
     cfg = GRPOLossConfig(beta=0.04, importance_sampling_level="sequence")
     assert_close(impl, make_inputs(3, layout=layout, bias=bias), cfg, layout)
+
+
+@pytest.mark.parametrize("layout", ["hv", "vh"])
+@pytest.mark.parametrize("match", [True, False], ids=["match", "as_given"])
+def test_pallas_kernels_take_w_as_a_tpu_stores_it(monkeypatch, layout, match):
+    """A TPU keeps a [256, 1000] argument column-major and [1000, 256] row-major
+    (ops.core.tpu.row_major_by_default). With match_tpu_layout (the default) an "hv" head of
+    that shape runs the "vh" kernels on W^T, so a TPU reads the parameter with no relayout;
+    as given, it runs the "hv" kernels. Either way: the reference's loss and gradients."""
+    seen = []
+    real = pallas_tpu.head_statistics
+
+    def spy(*args, **kw):
+        seen.append(kw["layout"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(pallas_tpu, "head_statistics", spy)
+    opts = dataclasses.replace(SMALL["pallas"], match_tpu_layout=match)
+    cfg = GRPOLossConfig(beta=0.04, importance_sampling_level="sequence")
+    assert_close("pallas", make_inputs(3, layout=layout, bias=True), cfg, layout, options=opts)
+    assert seen == ["vh" if match or layout == "vh" else "hv"]
 
 
 @pytest.mark.parametrize("layout", ["hv", "vh"])
@@ -453,6 +476,8 @@ def test_pallas_options_validation():
         LmHeadPallasOptions(blocks=LmHeadBlockSizes())
     with pytest.raises(ValueError, match="LmHeadPallasOptions.interpret"):
         LmHeadPallasOptions(interpret="no")
+    with pytest.raises(ValueError, match="LmHeadPallasOptions.match_tpu_layout must be a bool"):
+        LmHeadPallasOptions(match_tpu_layout="auto")
     with pytest.raises(ValueError, match="must divide H"):
         pallas_tpu.plan_tiles(64, 384, 1000, LmHeadPallasOptions(
             blocks=LmHeadPallasBlockSizes(block_hidden=256)))

@@ -84,24 +84,27 @@ class TokenBatch:
                                      with_grad=with_grad, sampler_weights=self.sampler_weights,
                                      sampler_logps=self.sampler_logps, **extra)
 
-    def token_columns(self, config: GRPOLossConfig) -> dict[str, Array | None]:
+    def token_columns(self, config: GRPOLossConfig, batch_sum: BatchSum | None = None,
+                      ) -> dict[str, Array | None]:
         """The per-token inputs of :func:`grpo_kernels.objective.token_row_grad`, each ``[N]``
         float32 (``N = B*T``, row-major) or ``None``: the loss weights
         (:func:`~grpo_kernels.objective.token_weights`), the advantages broadcast over time,
         the old, reference and sampler log-probs, the sampler weights, the mask and the entropy
         bonus's ``h`` (known from the mask). For a token-separable config these are all a
-        token's gradient needs besides its own log-prob."""
+        token's gradient needs besides its own log-prob. ``batch_sum`` makes the weights'
+        normalisers the whole sharded batch's (as in :meth:`loss`)."""
         b, t = self.shape
+        extra = {} if batch_sum is None else {"batch_sum": batch_sum}
 
         def flat(x: Array | None) -> Array | None:
             return None if x is None else x.reshape(-1).astype(jnp.float32)
 
         return {
-            "weights": flat(token_weights(self.mask, config, self.num_items)),
+            "weights": flat(token_weights(self.mask, config, self.num_items, **extra)),
             "advantages": flat(jnp.broadcast_to(self.advantages.astype(jnp.float32)[:, None],
                                                 (b, t))),
             "old_logp": flat(self.old_logps), "ref_logp": flat(self.ref_logps),
             "sampler_weights": flat(self.sampler_weights), "mask": flat(self.mask),
             "sampler_logps": flat(self.sampler_logps),
-            "h": flat(entropy_bonus_grad(self.mask, config, self.num_items)),
+            "h": flat(entropy_bonus_grad(self.mask, config, self.num_items, **extra)),
         }

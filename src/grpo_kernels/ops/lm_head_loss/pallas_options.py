@@ -47,16 +47,28 @@ class LmHeadPallasOptions:
         device's, else ``"v6e"``.
       interpret: Interpret mode; ``None``: exactly when the backend is CPU; ``"hlo"``: JAX's
         generic HLO interpreter (what :mod:`grpo_kernels.sharding` uses on a CPU mesh).
+      match_tpu_layout: Run the kernels on ``W`` (each device's shard, under
+        :mod:`grpo_kernels.sharding`) in the orientation in which a TPU stores a jit argument
+        of its shape (:func:`~grpo_kernels.ops.core.tpu.row_major_by_default`): a ``[H, V]``
+        head whose ``V`` is not a multiple of 128 is kept ``H``-minor, so the kernels take
+        ``W^T`` as a ``"vh"`` head. A parameter in its default layout is then read and its
+        gradient written without a relayout (the Mosaic kernels need their operands
+        row-major; otherwise XLA copies ``W`` in and ``dW`` out). ``False``: the given
+        orientation, for a ``W`` pinned row-major (``jax.experimental.layout``).
     """
 
     blocks: LmHeadPallasBlockSizes | None = None
     vmem_limit_bytes: int | None = None
     interpret: bool | str | None = None
     tpu_generation: str | None = None
+    match_tpu_layout: bool = True
 
     def __post_init__(self) -> None:
         check_interpret("LmHeadPallasOptions", self.interpret)
-        check_generation("LmHeadPallasOptions", self.tpu_generation)
+        if not isinstance(self.match_tpu_layout, bool):
+            raise ValueError(f"LmHeadPallasOptions.match_tpu_layout must be a bool, got "
+                             f"{self.match_tpu_layout!r}")
+        check_generation("LmHeadPallasOptions.tpu_generation", self.tpu_generation)
         check_int("LmHeadPallasOptions", "vmem_limit_bytes", self.vmem_limit_bytes)
         if self.blocks is not None and not isinstance(self.blocks, LmHeadPallasBlockSizes):
             raise ValueError(f"LmHeadPallasOptions.blocks must be None or an "

@@ -43,6 +43,7 @@ from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import common_dtype
 from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, softmax_grad
+from grpo_kernels.ops.core.tpu import row_major_by_default
 from grpo_kernels.ops.core.vjp import loss_from_pieces
 from grpo_kernels.ops.lm_head_loss.head import HeadFormat, delta_dtype
 from grpo_kernels.ops.lm_head_loss.head import matmul as _dot
@@ -296,9 +297,15 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadPallasOption
     compute = common_dtype(hidden.dtype, w.dtype)
     tiles = plan_tiles(n, hdim, fmt.vocab(w), opts)
     pad = -n % tiles.rows
-    static = dict(layout=fmt.layout, logits_dtype=fmt.logits_dtype, temperature=temperature,
+    # W^T is a bitcast of a W that a TPU keeps in the other orientation (see the options).
+    flip = opts.match_tpu_layout and not row_major_by_default(w.shape)
+    layout = {"hv": "vh", "vh": "hv"}[fmt.layout] if flip else fmt.layout
+    static = dict(layout=layout, logits_dtype=fmt.logits_dtype, temperature=temperature,
                   tiles=tiles, interpret=opts.resolved_interpret() if interpret is None
                   else interpret)
+
+    def oriented(w):
+        return w.T if flip else w
 
     def rows(x, fill=0):
         x = x.reshape(n, *x.shape[2:])
@@ -306,7 +313,7 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadPallasOption
 
     def stats(primals, ids):
         hidden, w, bias = primals
-        out = head_statistics(rows(hidden.astype(compute)), w.astype(compute), bias,
+        out = head_statistics(rows(hidden.astype(compute)), oriented(w.astype(compute)), bias,
                               rows(ids), **static)
         return tuple(x[:n].reshape(b, t) for x in out)
 
@@ -314,10 +321,11 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadPallasOption
         hidden, w, bias = primals
         row = row.over(temperature)
         entropy = {} if row.h is None else dict(hcoef=rows(row.h), entropy=rows(row.entropy))
-        dh, dw, db = head_gradients(rows(hidden.astype(compute)), w.astype(compute), bias,
-                                    rows(hit_ids, -1), rows(lse), rows(row.g),
+        dh, dw, db = head_gradients(rows(hidden.astype(compute)), oriented(w.astype(compute)),
+                                    bias, rows(hit_ids, -1), rows(lse), rows(row.g),
                                     **static, **entropy)
-        return (dh[:n].reshape(hidden.shape).astype(hidden.dtype), dw.astype(w.dtype), db)
+        return (dh[:n].reshape(hidden.shape).astype(hidden.dtype), oriented(dw).astype(w.dtype),
+                db)
 
     return stats, grad
 

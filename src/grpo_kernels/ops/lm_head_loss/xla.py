@@ -109,7 +109,7 @@ DWEIGHT_MODES: tuple[str, ...] = ("tokens", "vocab")
 # Byte budget of one chunk's [c, V] float32 logits. CPU and GPU: the measured choices of
 # docs/lm_head.md and docs/benchmarks.md ("GPU"; on GPU, 2 GiB rounded down to a power of two
 # is the chunk that planned the smallest temporaries at the proof's shape). TPU: not measured.
-_DEFAULT_CHUNK_BYTES = {"cpu": 32 << 20, "gpu": 2 << 30, "tpu": 1 << 30}
+DEFAULT_CHUNK_BYTES = {"cpu": 32 << 20, "gpu": 2 << 30, "tpu": 1 << 30}
 # Backends whose planned rows are rounded down to a power of two, so that power-of-two token
 # counts split into equal chunks with no separately compiled tail.
 _POW2_CHUNKS = frozenset({"gpu"})
@@ -125,7 +125,7 @@ def plan_chunk(n_rows: int, vocab: int, blocks: LmHeadBlockSizes, backend: str) 
     """
     if blocks.chunk_tokens is not None:
         return min(blocks.chunk_tokens, n_rows)
-    budget = blocks.chunk_bytes or _DEFAULT_CHUNK_BYTES.get(backend, 256 << 20)
+    budget = blocks.chunk_bytes or DEFAULT_CHUNK_BYTES.get(backend, 256 << 20)
     rows = max(8, budget // (4 * vocab) // 8 * 8)
     if backend in _POW2_CHUNKS:
         rows = max(8, 1 << (rows.bit_length() - 1))
@@ -140,7 +140,7 @@ def plan_vocab_block(n_rows: int, vocab: int, blocks: LmHeadBlockSizes, backend:
     exponent, ``delta``); with the whole budget per array the pass planned more than the
     accumulator it replaces (N = 512, H = 1024, V = 32768 on XLA:CPU).
     """
-    budget = blocks.chunk_bytes or _DEFAULT_CHUNK_BYTES.get(backend, 256 << 20)
+    budget = blocks.chunk_bytes or DEFAULT_CHUNK_BYTES.get(backend, 256 << 20)
     return min(vocab, max(128, budget // (32 * n_rows) // 128 * 128))
 
 

@@ -20,9 +20,11 @@ import dataclasses
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
+from grpo_kernels.compat import vary_like
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.objective import token_row_grad, token_separable
+from grpo_kernels.objective import BatchGather, BatchSum, token_row_grad, token_separable
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.options import check_int, check_interpret, resolved_interpret
 from grpo_kernels.ops.core.tpu import check_generation
@@ -108,7 +110,7 @@ class PallasOptions:
 
     def __post_init__(self) -> None:
         check_interpret("PallasOptions", self.interpret)
-        check_generation("PallasOptions", self.tpu_generation)
+        check_generation("PallasOptions.tpu_generation", self.tpu_generation)
         if self.kernel not in ("auto", "tpu", "gpu"):
             raise ValueError(f"PallasOptions.kernel must be 'auto', 'tpu' or 'gpu', "
                              f"got {self.kernel!r}")
@@ -204,21 +206,30 @@ def pallas_grpo_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
     """
     options = options or PallasOptions()
     if options.resolved_one_pass(config):
-        return _one_pass_loss(logits, batch, config, options)
+        return one_pass_loss(logits, batch, config, options)
     stats, grad = pieces(logits.shape, logits.dtype, options, config.temperature)
     return loss_from_pieces(stats, grad, batch.clamped_ids(logits.shape[-1]), config,
                             (logits,), batch)
 
 
-def _one_pass_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
-                   options: PallasOptions) -> tuple[Array, dict[str, Array]]:
+def one_pass_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
+                  options: PallasOptions, batch_sum: BatchSum | None = None,
+                  batch_gather: BatchGather | None = None) -> tuple[Array, dict[str, Array]]:
     """:func:`pallas_grpo_loss` on a one-pass kernel (:func:`~.pallas_tpu.one_pass` or
-    :func:`~.pallas_gpu_one_pass.one_pass`): the forward reads the logits
-    once and forms the gradient for a unit cotangent; the backward multiplies it by the loss
-    cotangent, which XLA drops when the cotangent is the constant 1 of ``jax.grad(loss)``."""
+    :func:`~.pallas_gpu_one_pass.one_pass`): the forward reads the logits once and forms the
+    gradient for a unit cotangent.
+
+    The gradient rides on a carrier: a zero added to the loss whose custom backward is
+    ``dz * cotangent`` (XLA drops the multiply when the cotangent is the constant 1 of
+    ``jax.grad(loss)``); the objective itself sees the statistics with no gradient of its own.
+    ``batch_sum`` and ``batch_gather`` (:meth:`TokenBatch.loss`) make this device's whole rows
+    part of a batch sharded over batch axes only (:mod:`grpo_kernels.sharding`): the
+    normalisers in the per-token columns and in the loss are whole-batch figures, and the
+    carrier is ``batch_sum``'d like the loss, so its cotangent is the loss's under either
+    typing of ``shard_map`` (``check_vma``), where a collective inside the custom rule would
+    see a cotangent split over the devices."""
     b, t, vocab = logits.shape
     n, tau = b * t, config.temperature
-    ids = batch.clamped_ids(vocab).reshape(n)
     interpret = options.resolved_interpret()
     blocks = options.blocks or PallasBlockSizes()
     if options.resolved_kernel() == "gpu":
@@ -230,15 +241,21 @@ def _one_pass_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
     row_stats = kernels(vocab, logits.dtype, options)[0]
 
     def forward(primals, batch, with_grad):
-        z = primals[0].reshape(n, vocab)
+        z, ids = primals[0].reshape(n, vocab), batch.clamped_ids(vocab).reshape(n)
         if with_grad:
             logp, ent, dz = kernel(
-                z, ids, batch.token_columns(config),
+                z, ids, batch.token_columns(config, batch_sum),
                 lambda lp, cols: token_row_grad(lp, cols, config), tau, tiling,
                 interpret=interpret, alias_logits=options.alias_logits)
         else:  # a primal-only call needs the statistics alone
             logp, _, ent = row_stats(z, ids, tau)
-        loss, metrics, _ = batch.loss(logp.reshape(b, t), ent.reshape(b, t), config, False)
-        return (loss, metrics), ((dz.reshape(b, t, vocab),) if with_grad else None)
+        stats = (logp.reshape(b, t), ent.reshape(b, t))
+        # Typed like the logits (varying over the batch axes under shard_map), so that
+        # batch_sum reduces it and its cotangent is the loss's, not n times it.
+        carrier = vary_like(jnp.zeros((), jnp.float32), primals[0])
+        return (carrier, stats), \
+            ((dz.reshape(b, t, vocab),) if with_grad else None)
 
-    return loss_with_gradient(forward)((logits,), batch)
+    carrier, (logp, ent) = loss_with_gradient(forward)((logits,), batch)
+    loss, metrics, _ = batch.loss(logp, ent, config, False, batch_sum, batch_gather)
+    return loss + (carrier if batch_sum is None else batch_sum(carrier)), metrics

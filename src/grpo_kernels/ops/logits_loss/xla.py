@@ -77,12 +77,12 @@ class XlaBlockSizes:
 
 # Working-set targets per backend. CPU: the fastest measured on the development machine
 # (docs/xla.md); an accelerator wants enough rows per step to fill the chip.
-_DEFAULT_CHUNK_BYTES = {"cpu": 16 << 20, "gpu": 256 << 20, "tpu": 256 << 20}
+DEFAULT_CHUNK_BYTES = {"cpu": 16 << 20, "gpu": 256 << 20, "tpu": 256 << 20}
 
 
 def plan_blocks(n_rows: int, vocab: int, blocks: XlaBlockSizes, backend: str) -> tuple[int, int]:
     """Returns ``(rows_per_chunk, vocab_block)`` for ``n_rows`` rows of ``vocab`` logits."""
-    budget = blocks.chunk_bytes or _DEFAULT_CHUNK_BYTES.get(backend, 64 << 20)
+    budget = blocks.chunk_bytes or DEFAULT_CHUNK_BYTES.get(backend, 64 << 20)
     block_v = blocks.block_vocab
     if block_v is None:
         block_v = vocab if 4 * vocab <= budget else max(128, (budget // 4) // 128 * 128)
