@@ -322,6 +322,15 @@ def test_one_pass_kernel_over_batch_axes_equals_one_device(monkeypatch, kind, in
     assert not calls
 
 
+def test_one_pass_forced_on_a_vocabulary_split_is_refused():
+    inp, kw, _ = _logits_case(FEW[0])
+    mesh, spec = make(MESHES[1])
+    with pytest.raises(ValueError, match="one_pass=True needs whole vocabulary rows.*'tp'"):
+        sharded_grpo_loss(inp.logits, inp.ids, inp.mask, inp.advantages, mesh=mesh,
+                          sharding=spec, config=FEW[0], impl="pallas",
+                          options=PallasOptions(one_pass=True), **kw)
+
+
 def _xla_one_pass(z, ids, columns, row_grad, tau, blocks, interpret=False, alias_logits=False):
     """pallas_tpu.one_pass's contract in plain XLA (ops/logits_loss/xla.py's pieces)."""
     n, v = z.shape

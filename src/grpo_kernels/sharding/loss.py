@@ -137,10 +137,21 @@ def _one_pass_options(op: OpKind, impl: str, options: Any, config: GRPOLossConfi
     """The Pallas options when the logits loss runs the one-pass kernel on this mesh, else
     None: only without a vocab axis, since the kernel writes ``dlogits`` from the whole row's
     ``lse`` and a vocabulary shard has its own columns' alone until :func:`combine`. The
-    normalisers it needs are whole-batch sums of the mask, known before the kernel."""
-    if op is not LOGITS or impl != "pallas" or spec.vocab_axis is not None:
+    normalisers it needs are whole-batch sums of the mask, known before the kernel.
+
+    Raises:
+      ValueError: ``PallasOptions.one_pass=True`` on a mesh that splits the vocabulary.
+    """
+    if op is not LOGITS or impl != "pallas":
         return None
     opts = _on_mesh(options, logits_pallas.PallasOptions())
+    if spec.vocab_axis is not None:
+        if opts.one_pass:
+            raise ValueError(
+                f"PallasOptions.one_pass=True needs whole vocabulary rows on each device, but "
+                f"the mesh splits V over {spec.vocab_axis!r}; use one_pass=None (the two "
+                f"kernels there, the one-pass kernel where nothing splits V)")
+        return None
     return opts if opts.resolved_one_pass(config) else None
 
 

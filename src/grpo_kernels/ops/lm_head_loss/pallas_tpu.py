@@ -154,6 +154,7 @@ def head_statistics(h: Array, w: Array, bias: Array | None, ids: Array, *, layou
         scratch_shapes=[pltpu.VMEM((tm, tv), _F32)] + [pltpu.VMEM((tm, 1), _F32)] * 4,
         compiler_params=_params(tiles, ("parallel", "arbitrary", "arbitrary")),
         interpret=_interpret(interpret),
+        name="grpo_head_statistics",
     )(*args)
     return logp[:, 0], lse[:, 0], ent[:, 0]
 
@@ -257,6 +258,7 @@ def head_gradients(h: Array, w: Array, bias: Array | None, ids: Array, lse: Arra
         scratch_shapes=[pltpu.VMEM((tm, hidden), _F32)],
         compiler_params=_params(tiles, ("parallel", "arbitrary")),
         interpret=_interpret(interpret),
+        name="grpo_head_dhidden",
     )(h, w, *bias_args, *per_row)
 
     # dW, db: vocabulary tiles parallel, rows accumulated.
@@ -276,6 +278,7 @@ def head_gradients(h: Array, w: Array, bias: Array | None, ids: Array, lse: Arra
         scratch_shapes=[pltpu.VMEM(acc_shape, _F32), pltpu.VMEM((1, tv), _F32)],
         compiler_params=_params(tiles, ("parallel", "arbitrary")),
         interpret=_interpret(interpret),
+        name="grpo_head_dweight",
     )(h, w, *bias_args, *per_row)
     db = outs[1].reshape(vocab) if has_bias else None
     return dh, outs[0], db
