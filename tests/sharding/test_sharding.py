@@ -191,6 +191,39 @@ def test_lm_head_vh_layout_with_bias(m, impl):
     _check(*_sharded_head(m, FEW[2], impl, layout="vh", bias=True))
 
 
+def test_lm_head_pallas_takes_each_shard_as_a_tpu_stores_it(monkeypatch):
+    """H=256, V=400 over tp=4: each [256, 100] shard is one a TPU keeps H-minor
+    (ops.core.tpu.row_major_by_default), so each device's kernels take W^T as a "vh" head
+    (the spy sees it) and dW comes back in the shard's own orientation, equal to one device's."""
+    from grpo_kernels.ops.lm_head_loss import pallas_tpu as head_pallas_tpu
+    seen = []
+    real = head_pallas_tpu.head_statistics
+
+    def spy(*args, **kw):
+        seen.append((kw["layout"], args[1].shape))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(head_pallas_tpu, "head_statistics", spy)
+    cfg = FEW[2]
+    inp = random_head_inputs(13, 4, 5, 256, 400, jnp.float32, cfg, layout="hv")
+    kw = dict(old_logps=inp.old_logps, ref_logps=inp.ref_logps)
+    mesh, spec = make(MESHES[1])
+
+    def one(h, w):
+        return grpo_loss_from_hidden(h, w, inp.ids, inp.mask, inp.advantages, config=cfg,
+                                     impl="reference", **kw)
+
+    def sharded(h, w):
+        return sharded_grpo_loss_from_hidden(h, w, inp.ids, inp.mask, inp.advantages,
+                                             mesh=mesh, sharding=spec, config=cfg,
+                                             impl="pallas", **kw)
+
+    want = jax.value_and_grad(one, argnums=(0, 1), has_aux=True)(inp.hidden, inp.lm_head)
+    _check(jax.jit(jax.value_and_grad(sharded, argnums=(0, 1), has_aux=True))(
+        inp.hidden, inp.lm_head), want)
+    assert seen and set(seen) == {("vh", (100, 256))}
+
+
 @pytest.mark.parametrize("cfg", [FEW[0], FEW[3]], ids=cfg_id)
 @pytest.mark.parametrize("m", MESHES[1:3], ids=mesh_id)
 def test_lm_head_dweight_by_vocabulary_equals_one_device(m, cfg):
