@@ -97,7 +97,9 @@ def test_the_sharded_steps_compile_for_a_two_host_slice():
         r = got["logits", impl]
         assert r["logits_copies"] == 0 and r["largest_collective_elements"] <= 4 * 2048, r
     assert planned_peak(got["logits", "pallas"]) <= 1.01
+    # 64-row blocks cover each device's 8192 rows: two Mosaic calls, no leftover-row call
     assert got["logits", "pallas"]["kernels"] == ["grpo_logits_gradient", "grpo_row_statistics"]
+    assert got["logits", "pallas"]["tpu_custom_calls"] == 2
     head = got["lm_head", "pallas"]
     assert head["head_copies"] == 0 and head["temp_bytes"] < 64 << 20, head
     assert head["kernels"] == HEAD_KERNELS and head["largest_collective_elements"] == 4096 * 37_984

@@ -161,6 +161,20 @@ def test_dlogits_into_the_donated_logits_buffer(kernel):
     assert got.dtype == jnp.bfloat16 and rel_err(got, want) <= 1e-2
 
 
+def test_block_rows_fit_the_row_count():
+    """Given N, the planned rows drop (by at most half) to a tile multiple that divides N:
+    Qwen's vocabulary over tp=4 and tp=8 in bf16, 8192 rows. With no such divisor, or rows
+    that already divide N, the plan is the budget's."""
+    def rows(vocab, n, dtype=jnp.bfloat16):
+        return pallas_tpu.plan_blocks(vocab, dtype, "v6e", n=n).block_rows
+
+    assert (rows(37_984, None), rows(37_984, 8192), rows(37_984, 8190)) == (80, 64, 80)
+    assert (rows(18_992, None), rows(18_992, 8192)) == (160, 128)
+    assert rows(151_643, 2048) == rows(151_643, None) == 16
+    assert rows(151_643, 2047, jnp.float32) == 8  # no multiple of 8 in [4, 8] divides 2047
+    assert pallas_tpu.plan_blocks(37_984, jnp.bfloat16, "v6e", 80, n=8192).block_rows == 80
+
+
 def test_block_plan_heuristic():
     bf16 = pallas_tpu.plan_blocks(151_643, jnp.bfloat16, "v6e")
     f32 = pallas_tpu.plan_blocks(151_643, jnp.float32, "v6e")

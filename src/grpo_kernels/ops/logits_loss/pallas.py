@@ -148,22 +148,22 @@ class PallasOptions:
         return self.one_pass
 
 
-def _tpu_tiling(vocab: int, dtype, opts: PallasOptions) -> pallas_tpu.TpuBlocks:
+def _tpu_tiling(vocab: int, dtype, opts: PallasOptions, n: int) -> pallas_tpu.TpuBlocks:
     blocks = opts.blocks or PallasBlockSizes()
     return pallas_tpu.plan_blocks(vocab, dtype, opts.tpu_generation, blocks.block_rows,
-                                  blocks.block_vocab)
+                                  blocks.block_vocab, n)
 
 
-def kernels(vocab: int, dtype, opts: PallasOptions):
-    """``(row_statistics, logits_gradient)`` on ``[N, V]`` rows, bound to their tiling and
-    interpret flag."""
+def kernels(vocab: int, dtype, opts: PallasOptions, n: int):
+    """``(row_statistics, logits_gradient)`` on ``[N, V]`` rows (``N = n``, which the TPU
+    tiling fits its row blocks to), bound to their tiling and interpret flag."""
     interpret = opts.resolved_interpret()
     blocks = opts.blocks or PallasBlockSizes()
     if opts.resolved_kernel() == "gpu":
         tiling = pallas_gpu.plan_blocks(vocab, blocks.block_vocab, opts.gpu_layout)
         mod = pallas_gpu
     else:
-        tiling, mod = _tpu_tiling(vocab, dtype, opts), pallas_tpu
+        tiling, mod = _tpu_tiling(vocab, dtype, opts, n), pallas_tpu
 
     def stats(z, ids, tau):
         return mod.row_statistics(z, ids, tau, tiling, interpret=interpret)
@@ -183,7 +183,7 @@ def pieces(shape: tuple[int, ...], dtype, options: PallasOptions | None, tempera
     :class:`~grpo_kernels.objective.RowGrad` already carries the loss cotangent."""
     b, t, vocab = shape
     n = b * t
-    row_stats, row_grad = kernels(vocab, dtype, options or PallasOptions())
+    row_stats, row_grad = kernels(vocab, dtype, options or PallasOptions(), n)
 
     def stats(primals, ids):
         out = row_stats(primals[0].reshape(n, vocab), ids.reshape(n), temperature)
@@ -237,8 +237,8 @@ def one_pass_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
                                                  blocks.gpu_programs, stages=blocks.gpu_stages)
         kernel = pallas_gpu_one_pass.one_pass
     else:
-        tiling, kernel = _tpu_tiling(vocab, logits.dtype, options), pallas_tpu.one_pass
-    row_stats = kernels(vocab, logits.dtype, options)[0]
+        tiling, kernel = _tpu_tiling(vocab, logits.dtype, options, n), pallas_tpu.one_pass
+    row_stats = kernels(vocab, logits.dtype, options, n)[0]
 
     def forward(primals, batch, with_grad):
         z, ids = primals[0].reshape(n, vocab), batch.clamped_ids(vocab).reshape(n)

@@ -66,16 +66,30 @@ _OTHER = 2 * MiB
 _LIMIT = 48 * MiB
 
 
+def _dividing(rows: int, tile: int, n: int | None) -> int:
+    """The largest multiple of ``tile`` in ``[rows / 2, rows]`` that divides ``n``, else
+    ``rows``: whole blocks cover the rows, so no leftover block runs as a second kernel and
+    the gradient may alias the logits."""
+    if n is None or n % rows == 0:
+        return rows
+    return next((r for r in range(rows - tile, rows // 2 - 1, -tile) if r > 0 and n % r == 0),
+                rows)
+
+
 def plan_blocks(vocab: int, dtype: Any, generation: str | None = None,
-                block_rows: int | None = None, block_vocab: int | None = None) -> TpuBlocks:
+                block_rows: int | None = None, block_vocab: int | None = None,
+                n: int | None = None) -> TpuBlocks:
     """Block sizes from the ``(V, dtype, generation)`` heuristic, with overrides.
 
     ``block_rows``: as many rows as let the backward's four ``[rows, V]`` buffers (logits and
     dlogits, double-buffered) fit ``min(24 MiB, VMEM - 4 MiB)``, rounded down to the dtype's
     sublane tile (8 for 4-byte, 16 for 2-byte types), at most 512. Where not even one tile
     fits (v4's 16 MiB at Qwen's vocabulary), 8 rows; where 8 rows do not fit double-buffered,
-    8 rows single-buffered. A given ``block_rows`` is double-buffered whenever the chip's
-    VMEM holds that (the limit is raised to fit), single-buffered when only that fits.
+    8 rows single-buffered. With the row count ``n`` given, the planned rows drop (by at most
+    half) to a multiple of the tile that divides ``n`` where one exists (at V/4 of Qwen's
+    vocabulary, 80 bf16 rows leave a tail of 8192; 64 do not). A given ``block_rows`` is
+    double-buffered whenever the chip's VMEM holds that (the limit is raised to fit),
+    single-buffered when only that fits.
     ``block_vocab``: 2048 columns (a multiple of 128; 16 rows x 2048 float32 is 128 KiB per
     in-kernel temporary), fewer for a small ``V``.
 
@@ -94,6 +108,8 @@ def plan_blocks(vocab: int, dtype: Any, generation: str | None = None,
         block_rows = min(512, rows // tile * tile) or rows // 8 * 8
         if not block_rows:
             block_rows, buffers = 8, 1
+        else:
+            block_rows = _dividing(block_rows, min(tile, block_rows), n)
     elif 4 * block_rows * row_bytes + _OTHER > vmem:
         buffers = 1
     blocks_bytes = 2 * buffers * block_rows * row_bytes
