@@ -72,8 +72,7 @@ def _dividing(rows: int, tile: int, n: int | None) -> int:
     the gradient may alias the logits."""
     if n is None or n % rows == 0:
         return rows
-    return next((r for r in range(rows - tile, rows // 2 - 1, -tile) if r > 0 and n % r == 0),
-                rows)
+    return next((r for r in range(rows - tile, rows // 2 - 1, -tile) if n % r == 0), rows)
 
 
 def plan_blocks(vocab: int, dtype: Any, generation: str | None = None,
@@ -100,8 +99,9 @@ def plan_blocks(vocab: int, dtype: Any, generation: str | None = None,
     gen = tpu_generation(generation)
     vmem = VMEM_BYTES[gen]
     budget = min(_BLOCK_BUDGET, vmem - _HEADROOM)
-    row_bytes = vocab * jnp.dtype(dtype).itemsize
-    tile = 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+    itemsize = jnp.dtype(dtype).itemsize
+    row_bytes = vocab * itemsize
+    tile = 8 * max(1, 4 // itemsize)
     buffers = 2
     if block_rows is None:
         rows = budget // (4 * row_bytes)
