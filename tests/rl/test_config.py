@@ -60,6 +60,23 @@ def test_defaults_and_round_trip():
     ({"rewards": {"functions": [{"name": "format"}, {"name": "x"}]}},
      "rewards.functions[1].name"),
     ({"loss": {"options": {"loss_agg_mode": "token-mean"}}}, "loss.options.loss_agg_mode"),
+    ({"loss": {"kernel": {"logits-reference": {}}}}, "loss.kernel.logits-reference"),
+    ({"loss": {"kernel": {"logits-auto": {}}}}, "loss.kernel.logits-auto"),
+    ({"loss": {"kernel": {"logits-pallas": 3}}}, "loss.kernel.logits-pallas"),
+    ({"loss": {"kernel": {"logits-pallas": {"gpu_layuot": "aligned"}}}},
+     "loss.kernel.logits-pallas.gpu_layuot"),
+    ({"loss": {"kernel": {"logits-pallas": {"alias_logits": "yes"}}}},
+     "loss.kernel.logits-pallas.alias_logits"),
+    ({"loss": {"kernel": {"logits-pallas": {"gpu_layout": "diagonal"}}}},
+     "loss.kernel.logits-pallas: PallasOptions.gpu_layout"),
+    ({"loss": {"kernel": {"logits-pallas": {"blocks": {"block_rows": 8}}}}},
+     "loss.kernel.logits-pallas: PallasBlockSizes.block_rows"),
+    ({"loss": {"kernel": {"logits-xla": {"chunk_bytes": 0}}}},
+     "loss.kernel.logits-xla: XlaBlockSizes.chunk_bytes"),
+    ({"loss": {"kernel": {"fused-xla": {"dweight": "rows"}}}},
+     "loss.kernel.fused-xla: LmHeadBlockSizes.dweight"),
+    ({"loss": {"kernel": {"fused-pallas": {"interpret": "tpu"}}}},
+     "loss.kernel.fused-pallas: LmHeadPallasOptions.interpret"),
 ])
 def test_bad_values_name_the_key(values, key):
     with pytest.raises(ValueError) as e:

@@ -1,10 +1,12 @@
 """The trainer with a mesh: rows over dp, the fused head's vocabulary over tp; step 1 equals
-the one-device run (identical rollouts, so the loss and grad norm agree)."""
+the one-device run (identical rollouts, so the loss and grad norm agree), with the xla and the
+pallas implementations."""
 
 import numpy as np
 import pytest
 
 from grpo_kernels.rl.config import TrainConfig
+from grpo_kernels.rl.kernel import build_options
 from grpo_kernels.rl.trainer import Trainer
 from tests.rl.test_trainer import _values, _varied_reward  # noqa: F401  (fixture)
 
@@ -21,6 +23,36 @@ def test_mesh_step_equals_one_device(tmp_path):
     sharded = _values(tmp_path / "mesh", train={"steps": 1}, loss=loss)
     sharded["mesh"] = mesh
     got = Trainer(TrainConfig.from_dict(sharded), progress=False).run()[0]
+    assert got["reward/mean"] == one["reward/mean"]
+    np.testing.assert_allclose(got["loss"], one["loss"], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got["grad_norm"], one["grad_norm"], rtol=1e-3)
+    np.testing.assert_allclose(got["entropy"], one["entropy"], rtol=1e-4)
+
+
+@pytest.mark.parametrize("head,mesh", [
+    ("logits", {"shape": {"dp": 4}, "batch_axes": ["dp"]}),  # the one-pass kernel per device
+    ("fused", {"shape": {"dp": 2, "tp": 2}, "batch_axes": ["dp"], "vocab_axis": "tp"}),
+])
+def test_mesh_step_with_pallas_equals_one_device_xla(tmp_path, head, mesh):
+    """``loss.impl: pallas`` on a mesh (the kernels interpreted on this CPU, as on one), with
+    ``loss.kernel`` options handed through, against the one-device xla run's step."""
+    import jax
+
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    rows = {"rollout": {"batch_size": 8, "num_generations": 2, "max_new_tokens": 6},
+            "train": {"steps": 1, "micro_batch_size": 4}}
+    base = _values(tmp_path / "one", loss={"head": head, "impl": "xla"}, **rows)
+    one = Trainer(TrainConfig.from_dict(base), progress=False).run()[0]
+    kernel = {"logits-pallas": {"one_pass": True}} if head == "logits" else \
+        {"fused-pallas": {"blocks": {"block_rows": 16}}}
+    sharded = _values(tmp_path / "mesh", loss={"head": head, "impl": "pallas", "kernel": kernel},
+                      **rows)
+    sharded["mesh"] = mesh
+    trainer = Trainer(TrainConfig.from_dict(sharded), progress=False)
+    (arm, values), = kernel.items()
+    assert trainer.loss_options == build_options("loss.kernel", arm, values)
+    got = trainer.run()[0]
     assert got["reward/mean"] == one["reward/mean"]
     np.testing.assert_allclose(got["loss"], one["loss"], rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(got["grad_norm"], one["grad_norm"], rtol=1e-3)

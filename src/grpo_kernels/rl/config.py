@@ -58,9 +58,6 @@ class TrainConfig:
             if self.train.micro_batch_size % shards:
                 fail("train.micro_batch_size", f"{self.train.micro_batch_size} is not "
                      f"divisible by the {shards} batch shards of mesh {dict(self.mesh.shape)}")
-            if self.loss.impl == "pallas":
-                fail("loss.impl", "'pallas' with a mesh runs interpreted on CPU only; use "
-                     "xla or auto")
 
     def loss_config(self) -> GRPOLossConfig:
         """The GRPOLossConfig of ``loss.options`` with the rollout's temperature and length."""

@@ -114,11 +114,13 @@ def _fused_inputs(model: Any, mb: dict[str, Any], prompt_width: int) -> tuple[Ar
 
 def loss_on(model: Any, mb: dict[str, Any], *, head: str, impl: str, config: GRPOLossConfig,
             prompt_width: int, num_items: Array | None = None, mesh: Any = None,
-            sharding: Any = None) -> tuple[Array, dict[str, Array]]:
-    """The GRPO loss of a micro-batch (the micro-batch's own normalisers) and its metrics."""
+            sharding: Any = None, options: Any = None) -> tuple[Array, dict[str, Array]]:
+    """The GRPO loss of a micro-batch (the micro-batch's own normalisers) and its metrics;
+    ``options``: the implementation's options (:func:`grpo_kernels.rl.kernel.resolve`)."""
     targets = mb["ids"][:, prompt_width:]
     extra = dict(config=config, old_logps=mb["old_logps"], ref_logps=mb["ref_logps"],
-                 sampler_logps=mb.get("sampler_logps"), num_items_in_batch=num_items)
+                 sampler_logps=mb.get("sampler_logps"), num_items_in_batch=num_items,
+                 options=options)
     if mesh is not None:
         from grpo_kernels.sharding import sharded_grpo_loss, sharded_grpo_loss_from_hidden
 
@@ -136,8 +138,8 @@ def loss_on(model: Any, mb: dict[str, Any], *, head: str, impl: str, config: GRP
 
 
 def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig,
-                  prompt_width: int,
-                  mesh: Any = None, sharding: Any = None) -> tuple[Callable, Callable]:
+                  prompt_width: int, mesh: Any = None, sharding: Any = None,
+                  options: Any = None) -> tuple[Callable, Callable]:
     """``(grad_fn, logp_fn)`` for one prompt width, to be jitted.
 
     ``grad_fn(state, mb, scale, num_items)`` returns ``((scale * loss, metrics), grads)``;
@@ -147,7 +149,7 @@ def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig
         model = nnx.merge(graphdef, state)
         loss, metrics = loss_on(model, mb, head=head, impl=impl, config=config,
                                 prompt_width=prompt_width, num_items=num_items, mesh=mesh,
-                                sharding=sharding)
+                                sharding=sharding, options=options)
         keep = {name: metrics[name] for name in METRIC_NAMES}
         return scale * loss, keep
 
@@ -161,7 +163,8 @@ def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig
         model = nnx.merge(graphdef, state)
         mb = {**mb, "old_logps": None, "ref_logps": None, "sampler_logps": None}
         _, metrics = loss_on(model, mb, head=head, impl=impl, config=no_kl,
-                             prompt_width=prompt_width, mesh=mesh, sharding=sharding)
+                             prompt_width=prompt_width, mesh=mesh, sharding=sharding,
+                             options=options)
         return jax.lax.stop_gradient(metrics["logp"])
 
     return grad_fn, logp_fn

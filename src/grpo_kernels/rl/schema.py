@@ -81,8 +81,10 @@ def convert(t: Any, value: Any, key: str) -> Any:
         args = typing.get_args(t)
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return convert(inner, value, key)
+        inner = [a for a in args if a is not type(None)]
+        # One type besides None is checked here; a wider union (``bool | Literal["hlo"]``)
+        # is left to the dataclass's own ``__post_init__``.
+        return convert(inner[0], value, key) if len(inner) == 1 else value
     if dataclasses.is_dataclass(t):
         if not isinstance(value, Mapping):
             fail(key, f"must be a mapping, got {type(value).__name__}")

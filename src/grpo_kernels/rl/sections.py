@@ -8,6 +8,7 @@ import dataclasses
 from grpo_kernels.models.loading import SOURCES as MODEL_SOURCES
 from grpo_kernels.ops import LOSS_HEADS, LOSS_IMPLS
 from grpo_kernels.ops.core.dtypes import DTYPE_CHOICES
+from grpo_kernels.rl.kernel import build_options
 from grpo_kernels.rl.schema import Section, choice, fail, finite, positive
 
 DATA_SOURCES = ("arithmetic", "gsm8k")
@@ -292,12 +293,15 @@ class LossSection(Section):
       impl: ``auto`` (the measured best on this backend), ``reference`` (materialised float32
         log-softmax: the baseline), ``xla`` or ``pallas``.
       options: GRPOLossConfig fields (``loss_type``, ``beta``, ``epsilon_low``, ...).
+      kernel: Options of the implementations, keyed by arm (``logits-pallas: {alias_logits:
+        true}``): the fields of that op's option dataclass (:mod:`grpo_kernels.rl.kernel`).
     """
 
     KEY = "loss"
     head: str = "logits"
     impl: str = "reference"
     options: dict = dataclasses.field(default_factory=dict)
+    kernel: dict = dataclasses.field(default_factory=dict)
 
     def validate(self, key: str) -> None:
         if self.impl == "lm_head_fused":
@@ -310,6 +314,8 @@ class LossSection(Section):
             # count non-empty rows, which it does not know yet.
             fail(f"{key}.options.loss_agg_mode", "is not supported by this trainer's "
                  "micro-batch accumulation yet; choose the aggregation with loss_type")
+        for arm, values in self.kernel.items():
+            build_options(f"{key}.kernel", arm, values)
 
     @property
     def arm(self) -> str:

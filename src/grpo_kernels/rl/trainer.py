@@ -3,8 +3,8 @@
 One step: sample ``rollout.batch_size`` completions (``num_generations`` per prompt) from the
 current policy, score them, form group advantages, then ``train.ppo_epochs`` optimizer updates on
 that batch, each accumulating gradients over micro-batches. The loss implementation is
-``loss.head`` and ``loss.impl``; everything else is the same for every implementation, so an A/B of two runs with
-one seed differs only in the loss.
+``loss.head`` and ``loss.impl`` (with its options from ``loss.kernel``); everything else is the
+same for every implementation, so an A/B of two runs with one seed differs only in the loss.
 
 Resuming: the problems of step ``s`` and its sampling seed depend only on ``(seed, s)``, and a
 checkpoint holds the parameters and optimizer state, so a run restarted with the same command
@@ -29,6 +29,7 @@ from grpo_kernels.models.loading import load_policy as _load_policy
 from grpo_kernels.models.sampling import generate
 from grpo_kernels.ops.core.inputs import wants_sampler_logps
 from grpo_kernels.rl import data as data_lib
+from grpo_kernels.rl import kernel as kernel_lib
 from grpo_kernels.rl import processes
 from grpo_kernels.rl import rewards as rewards_lib
 from grpo_kernels.rl.checkpoint import Checkpoints
@@ -75,6 +76,9 @@ class Trainer:
         self.config = config
         self.progress = progress
         c = config
+        # impl 'auto' resolved once, here, so that loss.kernel's entry for it applies
+        self.loss_impl, self.loss_options = kernel_lib.resolve(c.loss.head, c.loss.impl,
+                                                               c.loss.kernel)
         self.problems = data_lib.load_problems(c.data.source, c.data.path, c.data.difficulty,
                                                c.data.num_problems, c.seed)
         self.model, self.tokenizer = load_policy(c)
@@ -127,9 +131,9 @@ class Trainer:
         key = (kind, prompt_width, str(shapes))
         if key not in self._programs:
             grad_fn, logp_fn = make_programs(
-                self.graphdef, head=self.config.loss.head, impl=self.config.loss.impl,
-                config=self.loss_config,
-                prompt_width=prompt_width, mesh=self.mesh, sharding=self.sharding)
+                self.graphdef, head=self.config.loss.head, impl=self.loss_impl,
+                config=self.loss_config, prompt_width=prompt_width, mesh=self.mesh,
+                sharding=self.sharding, options=self.loss_options)
             fn = grad_fn if kind == "grad" else logp_fn
             compiled = jax.jit(fn).lower(*args).compile()
             if kind == "grad":

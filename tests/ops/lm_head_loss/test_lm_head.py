@@ -12,7 +12,7 @@ from grpo_kernels import (GRPOLossConfig, LmHeadBlockSizes, LmHeadPallasBlockSiz
                           LmHeadPallasOptions,
                           grpo_loss_from_hidden)
 from grpo_kernels.config import CLASSIC_LOSS_TYPES
-from grpo_kernels.ops.lm_head_loss import pallas_tpu
+from grpo_kernels.ops.lm_head_loss import pallas_options, pallas_tpu
 from grpo_kernels.ops.lm_head_loss import xla_sweep
 from grpo_kernels.ops.lm_head_loss.head import delta_dtype
 from grpo_kernels.ops.lm_head_loss.xla import plan_chunk, plan_vocab_block
@@ -481,6 +481,26 @@ def test_pallas_options_validation():
     with pytest.raises(ValueError, match="must divide H"):
         pallas_tpu.plan_tiles(64, 384, 1000, LmHeadPallasOptions(
             blocks=LmHeadPallasBlockSizes(block_hidden=256)))
+
+
+def test_compiled_pallas_head_on_a_gpu_says_it_has_tpu_kernels_only(monkeypatch):
+    """On a GPU host the Mosaic kernels would fail inside Triton's lowering; the op says why
+    first. Interpret mode, or a named tpu_generation (tracing for a TPU), still traces."""
+    monkeypatch.setattr(pallas_options, "backend_kind", lambda backend=None: "gpu")
+    hidden, w, ids, mask, adv, extra, _ = make_inputs(0)
+
+    def trace(options):
+        return jax.eval_shape(lambda hh, ww: grpo_loss_from_hidden(
+            hh, ww, ids, mask, adv, config=GRPOLossConfig(), impl="pallas", options=options,
+            **extra), hidden, w)
+
+    with pytest.raises(ValueError, match="fused head has TPU kernels only; on a GPU use "
+                                         "impl='xla'"):
+        trace(LmHeadPallasOptions(interpret=False))
+    for ok in (LmHeadPallasOptions(interpret=True),
+               LmHeadPallasOptions(interpret=False, tpu_generation="v6e")):
+        loss, _ = trace(ok)
+        assert loss.shape == ()
 
 
 @pytest.mark.parametrize("layout", ["hv", "vh"])

@@ -77,6 +77,17 @@ class LmHeadPallasOptions:
     def resolved_interpret(self, backend: str | None = None) -> bool | str:
         return resolved_interpret(self.interpret, backend_kind(backend))
 
+    def check_backend(self, interpret: bool | str | None = None) -> None:
+        """ValueError where compiled kernels would run on a GPU (``interpret``: the mode that
+        runs, default the options'). The kernels are Mosaic (TPU) only and would fail deep in
+        Triton's lowering; a named ``tpu_generation`` says the caller traces here for a TPU
+        (``jax.export``), which stays allowed."""
+        interpret = self.resolved_interpret() if interpret is None else interpret
+        if not interpret and backend_kind() == "gpu" and self.tpu_generation is None:
+            raise ValueError("impl='pallas' of the fused head has TPU kernels only; on a GPU "
+                             "use impl='xla' (or 'auto'), or LmHeadPallasOptions(interpret="
+                             "True)")
+
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:

@@ -306,6 +306,7 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadPallasOption
     static = dict(layout=layout, logits_dtype=fmt.logits_dtype, temperature=temperature,
                   tiles=tiles, interpret=opts.resolved_interpret() if interpret is None
                   else interpret)
+    opts.check_backend(static["interpret"])
 
     def oriented(w):
         return w.T if flip else w
