@@ -42,6 +42,18 @@ def test_every_entry_builds_its_dataclass():
 def test_reference_and_missing_entries_have_no_options():
     assert kernel.resolve("logits", "reference", KERNEL) == ("reference", None)
     assert kernel.resolve("fused", "pallas", {}) == ("pallas", None)
+    assert kernel.resolve("logits", "xla", {}) == ("xla", None)
+
+
+def test_the_trainers_defaults_sit_under_the_entry():
+    """The trainer's logits are dead after the loss: pallas writes dlogits over them unless
+    the entry says otherwise; the entry's other fields keep the default."""
+    assert kernel.resolve("logits", "pallas", {}) == ("pallas", PallasOptions(alias_logits=True))
+    given = {"logits-pallas": {"gpu_layout": "aligned"}}
+    assert kernel.resolve("logits", "pallas", given)[1] == PallasOptions(
+        alias_logits=True, gpu_layout="aligned")
+    off = {"logits-pallas": {"alias_logits": False}}
+    assert kernel.resolve("logits", "pallas", off)[1] == PallasOptions()
 
 
 @pytest.mark.parametrize("head", ["logits", "fused"])

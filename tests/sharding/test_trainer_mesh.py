@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from grpo_kernels.rl.config import TrainConfig
-from grpo_kernels.rl.kernel import build_options
+from grpo_kernels.ops.lm_head_loss import LmHeadPallasBlockSizes, LmHeadPallasOptions
+from grpo_kernels.ops.logits_loss import PallasOptions
 from grpo_kernels.rl.trainer import Trainer
 from tests.rl.test_trainer import _values, _varied_reward  # noqa: F401  (fixture)
 
@@ -50,8 +51,9 @@ def test_mesh_step_with_pallas_equals_one_device_xla(tmp_path, head, mesh):
                       **rows)
     sharded["mesh"] = mesh
     trainer = Trainer(TrainConfig.from_dict(sharded), progress=False)
-    (arm, values), = kernel.items()
-    assert trainer.loss_options == build_options("loss.kernel", arm, values)
+    want = PallasOptions(one_pass=True, alias_logits=True) if head == "logits" else \
+        LmHeadPallasOptions(blocks=LmHeadPallasBlockSizes(block_rows=16))
+    assert trainer.loss_options == want  # the entry, over the trainer's defaults
     got = trainer.run()[0]
     assert got["reward/mean"] == one["reward/mean"]
     np.testing.assert_allclose(got["loss"], one["loss"], rtol=1e-4, atol=1e-6)

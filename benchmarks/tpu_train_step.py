@@ -1,0 +1,224 @@
+"""The trainer's own update program compiled for a TPU, with no TPU: each loss arm's plan.
+
+    python3 benchmarks/tpu_train_step.py                      # Qwen2.5-1.5B shapes, v6e
+    python3 benchmarks/tpu_train_step.py --model qwen2.5-7b --layers 2 --generations v5p
+    python3 benchmarks/tpu_train_step.py --arms fused-xla,fused-pallas --rows 16
+
+The program is ``rl.policy.make_programs``'s gradient of one micro-batch, as ``grpo-kernels
+train`` compiles it: the decoder's forward and backward over ``--rows`` rows of ``--prompt``
+prompt and ``--completion`` completion tokens, then the loss of each arm (``<head>-<impl>``,
+as ``loss.head`` and ``loss.impl`` name it) with the options a TPU run's ``loss.kernel`` would
+hand it (``rl.kernel.resolve``, the trainer's defaults included): compiled kernels sized for
+the generation for pallas, xla's TPU chunk budget. The model is abstract (``nnx.eval_shape``): the first ``--layers``
+layers of a Qwen2.5 shape with its whole vocabulary and head, so the loss's share of the plan
+is the real one and the layers' share is ``--layers`` of the model's.
+
+Like ``benchmarks/tpu_aot.py`` (whose libtpu loading and compile report this reuses) it prints
+one JSON line per arm: the planned bytes per device (arguments: parameters and the
+micro-batch; outputs: the gradients; temporaries, as ``memory_analysis()`` gives them), the
+buffer assignment's own total (``buffer_total_bytes``, from the memory-usage report XLA dumps:
+the figure to read where a Pallas call writes over an intermediate, which
+``memory_analysis()`` counts twice), the kernels in the program and the compile time.
+Nothing runs: no times come from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import yaml
+from jax.sharding import SingleDeviceSharding
+
+import tpu_aot
+from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.ops.core.tpu import GENERATIONS
+from grpo_kernels.rl.kernel import TRAINER_DEFAULTS
+
+# Qwen2.5 shapes (the published configs): hidden, intermediate, layers, heads, KV heads, head
+# dim, vocabulary (the embedding's rows), tied embedding.
+MODELS = {"qwen2.5-0.5b": (896, 4864, 24, 14, 2, 64, 151_936, True),
+          "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 128, 151_936, True),
+          "qwen2.5-3b": (2048, 11008, 36, 16, 2, 128, 151_936, True),
+          "qwen2.5-7b": (3584, 18944, 28, 28, 4, 128, 152_064, False)}
+ARMS = tuple(f"{h}-{i}" for h in ("logits", "fused") for i in tpu_aot.IMPLS)
+F32 = jnp.float32
+
+
+def model_config(name: str, layers: int):
+    from grpo_kernels.models.config import ModelConfig
+    hidden, inter, total, heads, kv, head_dim, vocab, tied = MODELS[name]
+    if not 1 <= layers <= total:
+        raise ValueError(f"--layers must be in [1, {total}] for {name}, got {layers}")
+    return ModelConfig(family="qwen2", vocab_size=vocab, hidden_size=hidden,
+                       intermediate_size=inter, num_layers=layers, num_heads=heads,
+                       num_kv_heads=kv, head_dim=head_dim, attention_bias=True,
+                       tie_word_embeddings=tied, param_dtype=jnp.bfloat16,
+                       compute_dtype=jnp.bfloat16)
+
+
+def kernel_entry(arm: str, generation: str) -> dict | None:
+    """The ``loss.kernel`` entry a TPU run traced on this CPU host names for ``arm``: compiled
+    kernels sized for the generation (the host's own backend would pick interpreted ones), and
+    xla's TPU chunk budget (the host's would be the CPU's)."""
+    head, impl = arm.split("-", 1)
+    if impl == "pallas":
+        return {"interpret": False, "tpu_generation": generation,
+                **({"kernel": "tpu"} if head == "logits" else {})}
+    if impl == "xla":
+        from grpo_kernels.ops.lm_head_loss import xla as head_xla
+        from grpo_kernels.ops.logits_loss import xla as logits_xla
+        budget = (logits_xla if head == "logits" else head_xla).DEFAULT_CHUNK_BYTES["tpu"]
+        return {"chunk_bytes": budget}
+    return None
+
+
+def with_overrides(entry: dict | None, arm: str, overrides: dict[str, dict]) -> dict | None:
+    """``entry`` with ``--kernel`` fields of ``arm`` on top."""
+    extra = overrides.get(arm, {})
+    return {**(entry or {}), **extra} if entry is not None or extra else None
+
+
+def step(arm: str, entry: dict | None, device, cfg, rows: int, prompt: int, completion: int):
+    """``(jitted grad_fn, abstract args)`` of one micro-batch on ``device``, the loss with
+    the options of the ``loss.kernel`` entry ``entry``."""
+    from flax import nnx
+
+    from grpo_kernels.models.decoder import Decoder
+    from grpo_kernels.rl.policy import make_programs
+    sh = SingleDeviceSharding(device)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state)
+    from grpo_kernels.rl.kernel import resolve
+    head, impl = arm.split("-", 1)
+    _, options = resolve(head, impl, {} if entry is None else {arm: entry})  # as the trainer
+    grad_fn, _ = make_programs(graphdef, head=head, impl=impl, config=GRPOLossConfig(beta=0.04),
+                               prompt_width=prompt, options=options)
+
+    def s(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+    width = prompt + completion
+    mb = {"ids": s((rows, width), jnp.int32), "attention": s((rows, width), jnp.int32),
+          "mask": s((rows, completion), jnp.int32), "advantages": s((rows,), F32),
+          "old_logps": s((rows, completion), F32), "ref_logps": s((rows, completion), F32),
+          "sampler_logps": None}
+    return jax.jit(grad_fn), (state, mb, s((), F32), s((), F32))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 2)[2])
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b",
+                   help="the Qwen2.5 shape (default: qwen2.5-1.5b)")
+    p.add_argument("--layers", type=int, default=1,
+                   help="decoder layers kept, the first N (default: 1)")
+    p.add_argument("--arms", type=tpu_aot._list(ARMS), default=list(ARMS),
+                   help=f"comma-separated, of {','.join(ARMS)} (default: all)")
+    p.add_argument("--generations", type=tpu_aot._list(GENERATIONS), default=["v6e"],
+                   help=f"comma-separated, of {','.join(GENERATIONS)} (default: v6e)")
+    p.add_argument("--rows", type=int, default=8, help="micro-batch rows (default: 8)")
+    p.add_argument("--prompt", type=int, default=256, help="prompt width P (default: 256)")
+    p.add_argument("--completion", type=int, default=1024,
+                   help="completion tokens C (default: 1024)")
+    p.add_argument("--kernel", action="append", default=[], metavar="ARM.FIELD=VALUE",
+                   help="a loss.kernel field on top of the arm's entry, value as YAML "
+                   "(logits-pallas.alias_logits=true); repeatable")
+    p.add_argument("--libtpu", help="libtpu.so (default: $TPU_LIBRARY_PATH, then "
+                   ".venv/libtpu/libtpu/libtpu.so)")
+    p.add_argument("--out", help="also append the JSON lines to this file")
+    args = p.parse_args(argv)
+    args.overrides = {}
+    for item in args.kernel:
+        key, sep, value = item.partition("=")
+        arm, dot, field = key.partition(".")
+        if not sep or not dot or arm not in ARMS or not field:
+            p.error(f"--kernel {item!r}: expected ARM.FIELD=VALUE with ARM one of {list(ARMS)}")
+        args.overrides.setdefault(arm, {})[field] = yaml.safe_load(value)
+    for name in ("rows", "prompt", "completion"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    return args
+
+
+def buffer_total(dump: Path) -> int | None:
+    """``Total bytes`` of the default memory space in the memory-usage report XLA dumped for
+    the last compile (the buffer assignment's own sum), and the dump cleared. Where a Pallas
+    call writes over an intermediate (``alias_logits``) in this program, ``memory_analysis()``
+    still counts both buffers and this does not."""
+    reports = sorted(dump.glob("*memory-usage-report.txt"), key=lambda f: f.stat().st_mtime)
+    match = re.search(r"Total bytes: (\d+)", reports[-1].read_text()) if reports else None
+    for f in dump.iterdir():
+        shutil.rmtree(f) if f.is_dir() else f.unlink()
+    return int(match.group(1)) if match else None
+
+
+def rows(args: argparse.Namespace, dump: Path):
+    cfg = model_config(args.model, args.layers)
+    n = args.rows * args.completion
+    for gen, arm in itertools.product(args.generations, args.arms):
+        topo, devices = tpu_aot.topology(gen)
+        entry = with_overrides(kernel_entry(arm, gen), arm, args.overrides)
+        fn, a = step(arm, entry, devices[0], cfg, args.rows, args.prompt, args.completion)
+        row = {"op": "train-step", "arm": arm, "generation": gen, "topology": topo,
+               "device_kind": devices[0].device_kind, "model": args.model,
+               "layers": args.layers, "rows": args.rows, "prompt": args.prompt,
+               "completion": args.completion, "vocab": cfg.vocab_size,
+               "hidden": cfg.hidden_size, "logits_f32_bytes": n * cfg.vocab_size * 4,
+               "kernel": {**TRAINER_DEFAULTS.get(arm, {}), **(entry or {})} or None}
+        row.update(tpu_aot.compile_case(fn, a, {"logits": [(args.rows, args.completion,
+                                                             cfg.vocab_size),
+                                                            (n, cfg.vocab_size)]}))
+        row["buffer_total_bytes"] = buffer_total(dump)
+        yield row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    lib = tpu_aot.libtpu_path(args.libtpu)
+    if lib is None:
+        print("tpu_train_step: no libtpu.so (give --libtpu or TPU_LIBRARY_PATH, or run "
+              "`make .venv/.installed-dev`)", file=sys.stderr)
+        return 2
+    os.environ["TPU_LIBRARY_PATH"] = str(lib)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # as tpu_aot.main: libtpu only compiles
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    dump = Path(tempfile.mkdtemp(prefix="tpu_train_step_"))
+    # Before the backends start: XLA writes each compile's buffer assignment report there.
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
+    try:
+        model_config(args.model, args.layers)
+        from grpo_kernels.rl.kernel import build_options
+        arms = [*args.arms, *(a for a in args.overrides if a not in args.arms)]
+        for gen, arm in itertools.product(args.generations, arms):  # before any compile
+            entry = with_overrides(kernel_entry(arm, gen), arm, args.overrides)
+            if entry is not None:
+                build_options("--kernel", arm, entry)
+    except ValueError as e:
+        print(f"tpu_train_step: {e}", file=sys.stderr)
+        shutil.rmtree(dump)
+        return 2
+    failed = 0
+    try:
+        with open(args.out, "a") if args.out else open(os.devnull, "w") as out:
+            for row in rows(args, dump):
+                failed += not row["ok"]
+                line = json.dumps(row)
+                print(line, flush=True)
+                out.write(line + "\n")
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
