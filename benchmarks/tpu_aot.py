@@ -118,22 +118,32 @@ def _spec(shape, dtype, sharding):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
-def _options(op: str, impl: str, generation: str, match_tpu_layout: bool = True):
-    """Per-implementation options for a TPU compile traced on this CPU host."""
+def option_fields(op: str, impl: str, generation: str, match_tpu_layout: bool = True
+                  ) -> dict | None:
+    """The option fields (a ``loss.kernel`` entry) of an implementation in a TPU compile
+    traced on this CPU host, whose own backend would pick interpreted kernels and the CPU's
+    xla chunk budget: compiled kernels sized for ``generation``; xla's TPU budget."""
     if impl == "pallas":
         if op == "logits":
-            from grpo_kernels.ops.logits_loss.pallas import PallasOptions
-            return PallasOptions(kernel="tpu", interpret=False, tpu_generation=generation)
-        from grpo_kernels.ops.lm_head_loss.pallas_options import LmHeadPallasOptions
-        return LmHeadPallasOptions(interpret=False, tpu_generation=generation,
-                                   match_tpu_layout=match_tpu_layout)
+            return {"interpret": False, "tpu_generation": generation, "kernel": "tpu"}
+        return {"interpret": False, "tpu_generation": generation,
+                **({} if match_tpu_layout else {"match_tpu_layout": False})}
     if impl == "xla":
-        if op == "logits":
-            from grpo_kernels.ops.logits_loss import xla
-            return xla.XlaBlockSizes(chunk_bytes=xla.DEFAULT_CHUNK_BYTES["tpu"])
-        from grpo_kernels.ops.lm_head_loss import xla
-        return xla.LmHeadBlockSizes(chunk_bytes=xla.DEFAULT_CHUNK_BYTES["tpu"])
+        from grpo_kernels.ops.lm_head_loss import xla as head_xla
+        from grpo_kernels.ops.logits_loss import xla as logits_xla
+        return {"chunk_bytes": (logits_xla if op == "logits" else head_xla)
+                .DEFAULT_CHUNK_BYTES["tpu"]}
     return None
+
+
+def _options(op: str, impl: str, generation: str, match_tpu_layout: bool = True):
+    """Per-implementation options for a TPU compile traced on this CPU host."""
+    fields = option_fields(op, impl, generation, match_tpu_layout)
+    if fields is None:
+        return None
+    from grpo_kernels.ops.lm_head_loss.api import OPTION_TYPES as HEAD_TYPES
+    from grpo_kernels.ops.logits_loss.api import OPTION_TYPES as LOGITS_TYPES
+    return (LOGITS_TYPES if op == "logits" else HEAD_TYPES)[impl](**fields)
 
 
 def _batch_args(place: Placement, specs: dict, b: int, t: int) -> tuple:

@@ -9,9 +9,10 @@ train`` compiles it: the decoder's forward and backward over ``--rows`` rows of 
 prompt and ``--completion`` completion tokens, then the loss of each arm (``<head>-<impl>``,
 as ``loss.head`` and ``loss.impl`` name it) with the options a TPU run's ``loss.kernel`` would
 hand it (``rl.kernel.resolve``, the trainer's defaults included): compiled kernels sized for
-the generation for pallas, xla's TPU chunk budget. The model is abstract (``nnx.eval_shape``): the first ``--layers``
-layers of a Qwen2.5 shape with its whole vocabulary and head, so the loss's share of the plan
-is the real one and the layers' share is ``--layers`` of the model's.
+the generation for pallas, xla's TPU chunk budget. The model is abstract (``nnx.eval_shape``):
+the first ``--layers`` layers of a Qwen2.5 shape with its whole vocabulary and head, so the
+loss's share of the plan is the real one and the layers' share is ``--layers`` of the
+model's.
 
 Like ``benchmarks/tpu_aot.py`` (whose libtpu loading and compile report this reuses) it prints
 one JSON line per arm: the planned bytes per device (arguments: parameters and the
@@ -42,7 +43,7 @@ from jax.sharding import SingleDeviceSharding
 import tpu_aot
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.ops.core.tpu import GENERATIONS
-from grpo_kernels.rl.kernel import TRAINER_DEFAULTS
+from grpo_kernels.rl.kernel import merged_entry
 
 # Qwen2.5 shapes (the published configs): hidden, intermediate, layers, heads, KV heads, head
 # dim, vocabulary (the embedding's rows), tied embedding.
@@ -66,26 +67,13 @@ def model_config(name: str, layers: int):
                        compute_dtype=jnp.bfloat16)
 
 
-def kernel_entry(arm: str, generation: str) -> dict | None:
-    """The ``loss.kernel`` entry a TPU run traced on this CPU host names for ``arm``: compiled
-    kernels sized for the generation (the host's own backend would pick interpreted ones), and
-    xla's TPU chunk budget (the host's would be the CPU's)."""
+def kernel_entry(arm: str, generation: str, overrides: dict[str, dict]) -> dict | None:
+    """The ``loss.kernel`` entry a TPU run traced on this CPU host names for ``arm``
+    (:func:`tpu_aot.option_fields`), with ``--kernel``'s fields of ``arm`` on top."""
     head, impl = arm.split("-", 1)
-    if impl == "pallas":
-        return {"interpret": False, "tpu_generation": generation,
-                **({"kernel": "tpu"} if head == "logits" else {})}
-    if impl == "xla":
-        from grpo_kernels.ops.lm_head_loss import xla as head_xla
-        from grpo_kernels.ops.logits_loss import xla as logits_xla
-        budget = (logits_xla if head == "logits" else head_xla).DEFAULT_CHUNK_BYTES["tpu"]
-        return {"chunk_bytes": budget}
-    return None
-
-
-def with_overrides(entry: dict | None, arm: str, overrides: dict[str, dict]) -> dict | None:
-    """``entry`` with ``--kernel`` fields of ``arm`` on top."""
-    extra = overrides.get(arm, {})
-    return {**(entry or {}), **extra} if entry is not None or extra else None
+    fields = tpu_aot.option_fields("logits" if head == "logits" else "lm_head", impl,
+                                   generation)
+    return {**(fields or {}), **overrides.get(arm, {})} or None
 
 
 def step(arm: str, entry: dict | None, device, cfg, rows: int, prompt: int, completion: int):
@@ -167,14 +155,14 @@ def rows(args: argparse.Namespace, dump: Path):
     n = args.rows * args.completion
     for gen, arm in itertools.product(args.generations, args.arms):
         topo, devices = tpu_aot.topology(gen)
-        entry = with_overrides(kernel_entry(arm, gen), arm, args.overrides)
+        entry = kernel_entry(arm, gen, args.overrides)
         fn, a = step(arm, entry, devices[0], cfg, args.rows, args.prompt, args.completion)
         row = {"op": "train-step", "arm": arm, "generation": gen, "topology": topo,
                "device_kind": devices[0].device_kind, "model": args.model,
                "layers": args.layers, "rows": args.rows, "prompt": args.prompt,
                "completion": args.completion, "vocab": cfg.vocab_size,
                "hidden": cfg.hidden_size, "logits_f32_bytes": n * cfg.vocab_size * 4,
-               "kernel": {**TRAINER_DEFAULTS.get(arm, {}), **(entry or {})} or None}
+               "kernel": merged_entry(arm, {arm: entry} if entry else {}) or None}
         row.update(tpu_aot.compile_case(fn, a, {"logits": [(args.rows, args.completion,
                                                              cfg.vocab_size),
                                                             (n, cfg.vocab_size)]}))
@@ -200,7 +188,7 @@ def main(argv=None) -> int:
         from grpo_kernels.rl.kernel import build_options
         arms = [*args.arms, *(a for a in args.overrides if a not in args.arms)]
         for gen, arm in itertools.product(args.generations, arms):  # before any compile
-            entry = with_overrides(kernel_entry(arm, gen), arm, args.overrides)
+            entry = kernel_entry(arm, gen, args.overrides)
             if entry is not None:
                 build_options("--kernel", arm, entry)
     except ValueError as e:

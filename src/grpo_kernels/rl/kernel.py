@@ -51,15 +51,19 @@ def build_options(key: str, arm: str, values: Any) -> Any:
             from None
 
 
+def merged_entry(arm: str, kernel: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields ``arm`` runs with: ``kernel``'s entry over :data:`TRAINER_DEFAULTS`."""
+    return {**TRAINER_DEFAULTS.get(arm, {}), **kernel.get(arm, {})}
+
+
 def resolve(head: str, impl: str, kernel: Mapping[str, Any],
             key: str = "loss.kernel") -> tuple[str, Any]:
     """``(impl, options)``: ``impl`` with ``auto`` resolved on JAX's backend as the op would,
-    and its options: ``kernel``'s entry over :data:`TRAINER_DEFAULTS` (``None`` where
-    neither has one)."""
+    and its options from :func:`merged_entry` (``None`` where it is empty)."""
     if impl == "auto":
         impl = DEFAULT_IMPL[head]()
     arm = f"{head}-{impl}"
-    values = {**TRAINER_DEFAULTS.get(arm, {}), **kernel.get(arm, {})}
+    values = merged_entry(arm, kernel)
     options = build_options(key, arm, values) if values else None
     if arm == "fused-pallas":  # say so before a model loads, not at the first update
         try:
