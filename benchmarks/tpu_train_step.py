@@ -3,6 +3,7 @@
     python3 benchmarks/tpu_train_step.py                      # Qwen2.5-1.5B shapes, v6e
     python3 benchmarks/tpu_train_step.py --model qwen2.5-7b --layers 2 --generations v5p
     python3 benchmarks/tpu_train_step.py --arms fused-xla,fused-pallas --rows 16
+    python3 benchmarks/tpu_train_step.py --logits-dtype bfloat16  # loss.logits_dtype
 
 The program is ``rl.policy.make_programs``'s gradient of one micro-batch, as ``grpo-kernels
 train`` compiles it: the decoder's forward and backward over ``--rows`` rows of ``--prompt``
@@ -42,6 +43,7 @@ from jax.sharding import SingleDeviceSharding
 
 import tpu_aot
 from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.ops.core.dtypes import DTYPE_CHOICES, dtype_name, parse_dtype
 from grpo_kernels.ops.core.tpu import GENERATIONS
 from grpo_kernels.rl.kernel import merged_entry
 
@@ -76,9 +78,11 @@ def kernel_entry(arm: str, generation: str, overrides: dict[str, dict]) -> dict 
     return {**(fields or {}), **overrides.get(arm, {})} or None
 
 
-def step(arm: str, entry: dict | None, device, cfg, rows: int, prompt: int, completion: int):
+def step(arm: str, entry: dict | None, device, cfg, rows: int, prompt: int, completion: int,
+         logits_dtype=F32):
     """``(jitted grad_fn, abstract args)`` of one micro-batch on ``device``, the loss with
-    the options of the ``loss.kernel`` entry ``entry``."""
+    the options of the ``loss.kernel`` entry ``entry`` on logits rounded to
+    ``logits_dtype``."""
     from flax import nnx
 
     from grpo_kernels.models.decoder import Decoder
@@ -90,7 +94,8 @@ def step(arm: str, entry: dict | None, device, cfg, rows: int, prompt: int, comp
     head, impl = arm.split("-", 1)
     _, options = resolve(head, impl, {} if entry is None else {arm: entry})  # as the trainer
     grad_fn, _ = make_programs(graphdef, head=head, impl=impl, config=GRPOLossConfig(beta=0.04),
-                               prompt_width=prompt, options=options)
+                               prompt_width=prompt, options=options,
+                               logits_dtype=logits_dtype)
 
     def s(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
@@ -118,6 +123,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=256, help="prompt width P (default: 256)")
     p.add_argument("--completion", type=int, default=1024,
                    help="completion tokens C (default: 1024)")
+    p.add_argument("--logits-dtype", choices=DTYPE_CHOICES, default="float32",
+                   help="loss.logits_dtype: the dtype the loss's logits are rounded to "
+                   "(default: float32)")
     p.add_argument("--kernel", action="append", default=[], metavar="ARM.FIELD=VALUE",
                    help="a loss.kernel field on top of the arm's entry, value as YAML "
                    "(logits-pallas.alias_logits=true); repeatable")
@@ -156,12 +164,14 @@ def rows(args: argparse.Namespace, dump: Path):
     for gen, arm in itertools.product(args.generations, args.arms):
         topo, devices = tpu_aot.topology(gen)
         entry = kernel_entry(arm, gen, args.overrides)
-        fn, a = step(arm, entry, devices[0], cfg, args.rows, args.prompt, args.completion)
+        fn, a = step(arm, entry, devices[0], cfg, args.rows, args.prompt, args.completion,
+                     parse_dtype(args.logits_dtype))
         row = {"op": "train-step", "arm": arm, "generation": gen, "topology": topo,
                "device_kind": devices[0].device_kind, "model": args.model,
                "layers": args.layers, "rows": args.rows, "prompt": args.prompt,
                "completion": args.completion, "vocab": cfg.vocab_size,
                "hidden": cfg.hidden_size, "logits_f32_bytes": n * cfg.vocab_size * 4,
+               "logits_dtype": dtype_name(args.logits_dtype),
                "kernel": merged_entry(arm, {arm: entry} if entry else {}) or None}
         row.update(tpu_aot.compile_case(fn, a, {"logits": [(args.rows, args.completion,
                                                              cfg.vocab_size),

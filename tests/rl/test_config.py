@@ -49,6 +49,7 @@ def test_defaults_and_round_trip():
     ({"mesh": {"shape": {"dp": 2}, "vocab_axis": "tp"}}, "mesh"),
     ({"mesh": {"shape": {"dp": 3}}}, "train.micro_batch_size"),
     ({"loss": {"head": "lm"}}, "loss.head"),
+    ({"loss": {"logits_dtype": "float16"}}, "loss.logits_dtype"),
     ({"train": {"keep_checkpoints": 0}}, "train.keep_checkpoints"),
     ({"model": {"param_dtype": "f16"}}, "model.param_dtype"),
     ({"model": {"source": "random", "tokenizer": "x", "random": {"hidden": 3}}},

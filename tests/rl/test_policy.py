@@ -41,11 +41,13 @@ def _batch(rows=4, seed=0, old=False, ref=False, sampler=False):
                  sampler_logps=logps() if sampler else None)
 
 
-def _grads(arm, config, batch, micro, dtype=jnp.float32, **model_kw):
+def _grads(arm, config, batch, micro, dtype=jnp.float32, logits_dtype=jnp.float32,
+           **model_kw):
     model = _model(dtype, **model_kw)
     graphdef, state = nnx.split(model)
     head, impl = arm
-    grad_fn, _ = make_programs(graphdef, head=head, impl=impl, config=config, prompt_width=P)
+    grad_fn, _ = make_programs(graphdef, head=head, impl=impl, config=config, prompt_width=P,
+                               logits_dtype=logits_dtype)
     grad_fn = jax.jit(grad_fn)
     total_tokens = int(batch.mask.sum())
     loss, grads = 0.0, None
@@ -119,10 +121,10 @@ def test_tied_fused_head_agrees_with_the_reference(param_dtype, tol):
                               micro=2, tol=tol, tied=True, param_dtype=param_dtype)
 
 
-def assert_close_to_reference(arm, config, batch, micro, tol=1e-4, **model_kw):
+def assert_close_to_reference(arm, config, batch, micro, tol=1e-4, **kw):
     """The arm's loss and parameter gradients against the logits-level reference's."""
-    ref_loss, ref = _grads(("logits", "reference"), config, batch, micro=micro, **model_kw)
-    loss, got = _grads(arm, config, batch, micro=micro, **model_kw)
+    ref_loss, ref = _grads(("logits", "reference"), config, batch, micro=micro, **kw)
+    loss, got = _grads(arm, config, batch, micro=micro, **kw)
     np.testing.assert_allclose(loss, ref_loss, rtol=max(1e-5, tol / 10), atol=1e-6)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -148,6 +150,49 @@ def test_logp_program_returns_the_policy_logps():
     want = np.take_along_axis(logsm, batch.ids[:, P:, None], -1)[..., 0]
     m = batch.mask == 1
     np.testing.assert_allclose(got[m], want[m], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arm", [("fused", "xla"), ("logits", "pallas")],
+                         ids=lambda a: "-".join(a))
+def test_bf16_logits_agree_with_the_reference(arm):
+    """loss.logits_dtype bfloat16: the fused head rounds its chunks' logits as the logits head
+    rounds ``[N, C, V]``, and the gradients through the rounding agree to bf16's precision."""
+    config = GRPOLossConfig(beta=0.04, epsilon_high=0.28)
+    assert_close_to_reference(arm, config, _batch(rows=4, seed=4, old=True, ref=True), micro=2,
+                              tol=2e-2, logits_dtype=jnp.bfloat16)
+
+
+def _oracle_logps(model, batch, logits_dtype):
+    """float64 log-probs of the completion tokens from the model's logits rounded to
+    ``logits_dtype``."""
+    hidden = model(jnp.asarray(batch.ids[:, :-1]),
+                   attention_mask=jnp.asarray(batch.attention[:, :-1]), return_hidden=True)
+    z = np.asarray(model.logits(hidden, logits_dtype), np.float64)[:, P - 1:]
+    z = z - z.max(-1, keepdims=True)
+    logsm = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return np.take_along_axis(logsm, batch.ids[:, P:, None], -1)[..., 0]
+
+
+@pytest.mark.parametrize("arm", [("logits", "reference"), ("logits", "xla"),
+                                 ("logits", "pallas"), ("fused", "xla"), ("fused", "pallas")],
+                         ids=lambda a: "-".join(a))
+def test_logits_dtype_rounds_the_logits_every_arm_sees(arm):
+    """Every arm's log-probs under bfloat16 logits are the float64 log-softmax of the rounded
+    logits, and not the float32 logits' (the rounding moves them by far more than the
+    tolerance)."""
+    model = _model()
+    graphdef, state = nnx.split(model)
+    batch = _batch(rows=3, seed=5)
+    _, logp_fn = make_programs(graphdef, head=arm[0], impl=arm[1],
+                               config=GRPOLossConfig(beta=0.04), prompt_width=P,
+                               logits_dtype=jnp.bfloat16)
+    mb = {k: None if v is None else jnp.asarray(v) for k, v in batch.micro(0, 3).items()}
+    got = np.asarray(jax.jit(logp_fn)(state, mb), np.float64)
+    m = batch.mask == 1
+    rounded, exact = (_oracle_logps(model, batch, d)[m] for d in (jnp.bfloat16, jnp.float32))
+    assert np.isfinite(got[m]).all()
+    np.testing.assert_allclose(got[m], rounded, rtol=1e-5, atol=1e-5)
+    assert np.abs(rounded - exact).max() > 1e-4
 
 
 def test_micro_scale_weights():

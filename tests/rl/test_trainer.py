@@ -97,6 +97,19 @@ def test_metrics_and_resume_after_a_crash(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_logits_dtype_reaches_the_loss(tmp_path):
+    """loss.logits_dtype bfloat16: the same rollouts (the sampler's logits stay float32), and a
+    step whose gradient comes from the rounded logits: close to float32's, not equal (step 1's
+    loss is ~0 on policy, and this near-uniform model's entropy moves below float32's
+    resolution)."""
+    f32, bf16 = (Trainer(TrainConfig.from_dict(_values(
+        tmp_path / name, train={"steps": 1}, loss={"logits_dtype": name})), progress=False
+    ).run()[0] for name in ("float32", "bfloat16"))
+    assert bf16["reward/mean"] == f32["reward/mean"] and bf16["tokens"] == f32["tokens"]
+    assert np.isfinite(bf16["grad_norm"]) and bf16["grad_norm"] != f32["grad_norm"]
+    np.testing.assert_allclose(bf16["grad_norm"], f32["grad_norm"], rtol=1e-2)
+
+
 def test_resume_refuses_another_config(tmp_path):
     import yaml
 

@@ -277,11 +277,12 @@ class Decoder(nnx.Module):
             return hidden
         return self.logits(hidden)
 
-    def logits(self, hidden: Array) -> Array:
-        """Float32 logits of hidden states ``[..., H]``."""
-        return jnp.einsum("...h,vh->...v", hidden,
-                          self.head().astype(self.config.compute_dtype),
-                          preferred_element_type=_F32)
+    def logits(self, hidden: Array, dtype: Any = _F32) -> Array:
+        """Logits of hidden states ``[..., H]``: the head in the compute dtype, float32
+        accumulation, the float32 result rounded to ``dtype`` (float32: kept)."""
+        z = jnp.einsum("...h,vh->...v", hidden, self.head().astype(self.config.compute_dtype),
+                       preferred_element_type=_F32)
+        return z.astype(dtype)
 
     def init_cache(self, batch: int, length: int, dtype: Any = None) -> list[tuple[Array, Array]]:
         """An empty key/value cache: per layer ``(k, v)`` of ``[B, Hk, length, d]``."""

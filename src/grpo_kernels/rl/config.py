@@ -89,6 +89,7 @@ class TrainConfig:
         return TrainConfig.from_dict(values)
 
 
-__all__ = ["LOSS_HEADS", "LOSS_IMPLS", "TrainConfig", "RandomModelSection", "ModelSection", "DataSection", "RewardsSection", "RewardFunction",
+__all__ = ["LOSS_HEADS", "LOSS_IMPLS", "TrainConfig", "RandomModelSection", "ModelSection",
+           "DataSection", "RewardsSection", "RewardFunction",
            "RolloutSection", "OptimSection", "TrainSection", "LossSection", "MeshSection",
            "LoggingSection", "set_dotted"]

@@ -6,11 +6,15 @@ its last token; the hidden states at positions ``P-1 .. P+C-2`` predict the comp
 and only those ``[N, C, H]`` states reach the head. ``loss.head`` picks the op and ``loss.impl``
 its implementation (``auto``, ``reference``, ``xla`` or ``pallas``):
 
-- ``logits``: float32 logits ``[N, C, V]`` from ``model.logits``, then
-  :func:`grpo_kernels.grpo_loss`;
+- ``logits``: logits ``[N, C, V]`` from ``model.logits``, then :func:`grpo_kernels.grpo_loss`;
 - ``fused``: :func:`grpo_kernels.grpo_loss_from_hidden` on the hidden states and the head in
-  the compute dtype, with float32 logits (bf16 operands, float32 accumulation: the numbers of
+  the compute dtype, the logits (bf16 operands, float32 accumulation: the numbers of
   ``logits``) formed a chunk at a time, without ``[N, C, V]``.
+
+``loss.logits_dtype`` rounds the logits both heads see: float32 (the default: the
+accumulator's numbers) or bfloat16 (what a bf16 model in TRL or tunix hands its loss; the
+loss's statistics stay float32, and the logits head's ``[N, C, V]`` and its gradient take half
+the bytes).
 
 Gradient accumulation keeps TRL's loss exact for the whole batch of ``B`` rows and ``K`` real
 completion tokens: a micro-batch of ``M`` rows and ``k`` tokens contributes its loss times
@@ -114,9 +118,11 @@ def _fused_inputs(model: Any, mb: dict[str, Any], prompt_width: int) -> tuple[Ar
 
 def loss_on(model: Any, mb: dict[str, Any], *, head: str, impl: str, config: GRPOLossConfig,
             prompt_width: int, num_items: Array | None = None, mesh: Any = None,
-            sharding: Any = None, options: Any = None) -> tuple[Array, dict[str, Array]]:
+            sharding: Any = None, options: Any = None, logits_dtype: Any = jnp.float32,
+            ) -> tuple[Array, dict[str, Array]]:
     """The GRPO loss of a micro-batch (the micro-batch's own normalisers) and its metrics;
-    ``options``: the implementation's options (:func:`grpo_kernels.rl.kernel.resolve`)."""
+    ``options``: the implementation's options (:func:`grpo_kernels.rl.kernel.resolve`);
+    ``logits_dtype``: the dtype the logits are rounded to before the loss."""
     targets = mb["ids"][:, prompt_width:]
     extra = dict(config=config, old_logps=mb["old_logps"], ref_logps=mb["ref_logps"],
                  sampler_logps=mb.get("sampler_logps"), num_items_in_batch=num_items,
@@ -131,16 +137,18 @@ def loss_on(model: Any, mb: dict[str, Any], *, head: str, impl: str, config: GRP
     if head == "fused":
         hidden, weights = _fused_inputs(model, mb, prompt_width)
         return fused(hidden, weights, targets, mb["mask"], mb["advantages"], impl=impl,
-                     lm_head_layout="vh", logits_dtype=jnp.float32, **extra)
+                     lm_head_layout="vh", logits_dtype=logits_dtype, **extra)
     hidden = completion_hidden(model, mb["ids"], mb["attention"], prompt_width)
-    return plain(model.logits(hidden), targets, mb["mask"], mb["advantages"], impl=impl,
-                 **extra)
+    return plain(model.logits(hidden, logits_dtype), targets, mb["mask"], mb["advantages"],
+                 impl=impl, **extra)
 
 
 def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig,
                   prompt_width: int, mesh: Any = None, sharding: Any = None,
-                  options: Any = None) -> tuple[Callable, Callable]:
-    """``(grad_fn, logp_fn)`` for one prompt width, to be jitted.
+                  options: Any = None, logits_dtype: Any = jnp.float32,
+                  ) -> tuple[Callable, Callable]:
+    """``(grad_fn, logp_fn)`` for one prompt width, to be jitted (the arguments:
+    :func:`loss_on`'s).
 
     ``grad_fn(state, mb, scale, num_items)`` returns ``((scale * loss, metrics), grads)``;
     ``logp_fn(state, mb)`` the completion log-probs ``[M, C]`` (no gradient).
@@ -149,7 +157,8 @@ def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig
         model = nnx.merge(graphdef, state)
         loss, metrics = loss_on(model, mb, head=head, impl=impl, config=config,
                                 prompt_width=prompt_width, num_items=num_items, mesh=mesh,
-                                sharding=sharding, options=options)
+                                sharding=sharding, options=options,
+                                logits_dtype=logits_dtype)
         keep = {name: metrics[name] for name in METRIC_NAMES}
         return scale * loss, keep
 
@@ -164,7 +173,7 @@ def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig
         mb = {**mb, "old_logps": None, "ref_logps": None, "sampler_logps": None}
         _, metrics = loss_on(model, mb, head=head, impl=impl, config=no_kl,
                              prompt_width=prompt_width, mesh=mesh, sharding=sharding,
-                             options=options)
+                             options=options, logits_dtype=logits_dtype)
         return jax.lax.stop_gradient(metrics["logp"])
 
     return grad_fn, logp_fn

@@ -295,6 +295,9 @@ class LossSection(Section):
       options: GRPOLossConfig fields (``loss_type``, ``beta``, ``epsilon_low``, ...).
       kernel: Options of the implementations, keyed by arm (``logits-pallas: {alias_logits:
         true}``): the fields of that op's option dataclass (:mod:`grpo_kernels.rl.kernel`).
+      logits_dtype: The dtype the logits are rounded to before the loss, either head:
+        ``float32`` (the head's float32 accumulator, kept) or ``bfloat16`` (as a bf16 model in
+        TRL or tunix; the loss's statistics stay float32).
     """
 
     KEY = "loss"
@@ -302,6 +305,7 @@ class LossSection(Section):
     impl: str = "reference"
     options: dict = dataclasses.field(default_factory=dict)
     kernel: dict = dataclasses.field(default_factory=dict)
+    logits_dtype: str = "float32"
 
     def validate(self, key: str) -> None:
         if self.impl == "lm_head_fused":
@@ -309,6 +313,7 @@ class LossSection(Section):
                  "loss.impl: xla (or auto | reference | pallas)")
         choice(f"{key}.head", self.head, LOSS_HEADS)
         choice(f"{key}.impl", self.impl, LOSS_IMPLS)
+        choice(f"{key}.logits_dtype", self.logits_dtype, DTYPE_CHOICES)
         if self.options.get("loss_agg_mode") is not None:
             # policy.micro_scale weights micro-batches by rows or tokens; tunix's aggregations
             # count non-empty rows, which it does not know yet.

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from grpo_kernels.models.decoder import Decoder
 from grpo_kernels.models.loading import load_policy as _load_policy
 from grpo_kernels.models.sampling import generate
+from grpo_kernels.ops.core.dtypes import parse_dtype
 from grpo_kernels.ops.core.inputs import wants_sampler_logps
 from grpo_kernels.rl import data as data_lib
 from grpo_kernels.rl import kernel as kernel_lib
@@ -133,7 +134,8 @@ class Trainer:
             grad_fn, logp_fn = make_programs(
                 self.graphdef, head=self.config.loss.head, impl=self.loss_impl,
                 config=self.loss_config, prompt_width=prompt_width, mesh=self.mesh,
-                sharding=self.sharding, options=self.loss_options)
+                sharding=self.sharding, options=self.loss_options,
+                logits_dtype=parse_dtype(self.config.loss.logits_dtype))
             fn = grad_fn if kind == "grad" else logp_fn
             compiled = jax.jit(fn).lower(*args).compile()
             if kind == "grad":
