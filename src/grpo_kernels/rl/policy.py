@@ -12,7 +12,7 @@ its implementation (``auto``, ``reference``, ``xla`` or ``pallas``):
   ``logits``) formed a chunk at a time, without ``[N, C, V]``.
 
 ``loss.logits_dtype`` rounds the logits both heads see: float32 (the default: the
-accumulator's numbers) or bfloat16 (what a bf16 model in TRL or tunix hands its loss; the
+accumulator's numbers) or bfloat16 (what a bf16 model's head gives in tunix or TRL; the
 loss's statistics stay float32, and the logits head's ``[N, C, V]`` and its gradient take half
 the bytes).
 

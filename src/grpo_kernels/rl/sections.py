@@ -296,8 +296,8 @@ class LossSection(Section):
       kernel: Options of the implementations, keyed by arm (``logits-pallas: {alias_logits:
         true}``): the fields of that op's option dataclass (:mod:`grpo_kernels.rl.kernel`).
       logits_dtype: The dtype the logits are rounded to before the loss, either head:
-        ``float32`` (the head's float32 accumulator, kept) or ``bfloat16`` (as a bf16 model in
-        TRL or tunix; the loss's statistics stay float32).
+        ``float32`` (the head's float32 accumulator, kept) or ``bfloat16`` (rounded once, as a
+        bf16 model's head in tunix; the loss's statistics stay float32).
     """
 
     KEY = "loss"
