@@ -180,19 +180,28 @@ def rows(args: argparse.Namespace, dump: Path):
         yield row
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    lib = tpu_aot.libtpu_path(args.libtpu)
+def compile_env(libtpu: str | None, name: str) -> Path | None:
+    """Points this process at libtpu for TPU compiles on a CPU host and has XLA dump each
+    compile's memory-usage report into a fresh directory, which it returns (None, with the
+    reason printed, where no libtpu.so is found). Call before any backend starts."""
+    lib = tpu_aot.libtpu_path(libtpu)
     if lib is None:
-        print("tpu_train_step: no libtpu.so (give --libtpu or TPU_LIBRARY_PATH, or run "
+        print(f"{name}: no libtpu.so (give --libtpu or TPU_LIBRARY_PATH, or run "
               "`make .venv/.installed-dev`)", file=sys.stderr)
-        return 2
+        return None
     os.environ["TPU_LIBRARY_PATH"] = str(lib)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # as tpu_aot.main: libtpu only compiles
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    dump = Path(tempfile.mkdtemp(prefix="tpu_train_step_"))
-    # Before the backends start: XLA writes each compile's buffer assignment report there.
+    dump = Path(tempfile.mkdtemp(prefix=f"{name}_"))
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
+    return dump
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    dump = compile_env(args.libtpu, "tpu_train_step")
+    if dump is None:
+        return 2
     try:
         model_config(args.model, args.layers)
         from grpo_kernels.rl.kernel import build_options

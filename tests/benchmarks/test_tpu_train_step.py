@@ -21,9 +21,10 @@ SMALL = ("--model", "qwen2.5-0.5b", "--rows", "1", "--prompt", "8", "--completio
          "--generations", "v5e")
 
 
-def run(*argv: str) -> tuple[int, list[dict], str]:
+def run(*argv: str, script: str = "tpu_train_step.py") -> tuple[int, list[dict], str]:
+    """``(exit code, JSON rows, stderr)`` of ``benchmarks/<script> argv``."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/tpu_train_step.py"), *argv],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *argv],
                           capture_output=True, text=True, env=env, timeout=900)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return proc.returncode, rows, proc.stderr

@@ -212,6 +212,19 @@ def test_fused_default_forms_dweight_by_vocabulary_blocks():
     assert ours.fused_options("auto", chunks) is chunks
 
 
+def test_logits_default_aliases_the_pallas_gradient():
+    """Registered without options, the logits-level loss on Pallas writes its gradient over
+    the logits (tests/benchmarks/test_tpu_tunix_step.py checks what that plans); xla and given
+    options are left alone. On this CPU, auto resolves to xla."""
+    from grpo_kernels.ops.logits_loss import PallasOptions
+
+    assert ours.logits_options("pallas", None) == PallasOptions(alias_logits=True)
+    assert ours.logits_options("xla", None) is None
+    assert ours.logits_options("auto", None) is None
+    given = PallasOptions(one_pass=False)
+    assert ours.logits_options("pallas", given) is given
+
+
 class NotATunixModel:
     pass
 

@@ -35,7 +35,9 @@ from grpo_kernels.ops.lm_head_loss.api import default_impl as default_head_impl
 from grpo_kernels.ops.lm_head_loss.api import grpo_loss_from_hidden
 from grpo_kernels.ops.lm_head_loss.lookup import tied_lookup
 from grpo_kernels.ops.lm_head_loss.xla import LmHeadBlockSizes
+from grpo_kernels.ops.logits_loss.api import default_impl as default_logits_impl
 from grpo_kernels.ops.logits_loss.api import grpo_loss
+from grpo_kernels.ops.logits_loss.pallas import PallasOptions
 
 Array = jax.Array
 
@@ -312,7 +314,8 @@ def logits_policy_loss(model: Any, train_example: Any, algo_config: Any, pad_id:
     t = ex.ids.shape[1]
     logits = logits[:, -t - 1:-1, :]
     loss, metrics = grpo_loss(logits, ex.ids, ex.mask, ex.advantages, config=config,
-                              impl=impl, options=options, **_loss_kwargs(ex))
+                              impl=impl, options=logits_options(impl, options),
+                              **_loss_kwargs(ex))
     return loss, tunix_aux(metrics, ex, config, _field(algo_config, "epsilon_c"))
 
 
@@ -334,6 +337,21 @@ def fused_policy_loss(model: Any, train_example: Any, algo_config: Any, pad_id: 
         impl=impl, options=fused_options(impl, options), lm_head_layout=head.layout,
         logits_dtype=head.dtype, **_loss_kwargs(ex))
     return loss, tunix_aux(metrics, ex, config, _field(algo_config, "epsilon_c"))
+
+
+def logits_options(impl: str, options: Any) -> Any:
+    """The logits-level loss's options: ``options`` when given; else, where the Pallas
+    implementation runs, ``PallasOptions(alias_logits=True)``.
+
+    The completion's logits are a slice of the model's, an intermediate that nothing reads
+    after the loss, so the kernels may write the gradient over them: compiled for a v6e, one
+    tunix update plans one bf16 ``[B, T, V]`` buffer less, which puts it below xla's
+    (docs/integrations/tunix.md, "The logits-level loss on a TPU").
+    """
+    if options is not None:
+        return options
+    chosen = default_logits_impl() if impl == "auto" else impl
+    return PallasOptions(alias_logits=True) if chosen == "pallas" else None
 
 
 def fused_options(impl: str, options: Any) -> Any:

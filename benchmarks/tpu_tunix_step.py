@@ -1,0 +1,172 @@
+"""One tunix update with our logits-level loss, compiled for a TPU with no TPU: each arm's plan.
+
+    python3 benchmarks/tpu_tunix_step.py                     # Qwen2.5-1.5B shapes, v6e
+    python3 benchmarks/tpu_tunix_step.py --model qwen2.5-0.5b --rows 1 --completion 512
+
+The program is ``jit(value_and_grad)`` of a tunix policy loss with respect to a tunix Qwen2's
+parameters (the first ``--layers`` layers of a Qwen2.5 shape with its whole vocabulary, bf16
+parameters and compute, abstract: ``nnx.eval_shape``), on a ``TrainExample`` of ``--rows``
+rows of ``--prompt`` prompt and ``--completion`` completion tokens (beta 0.04, token-mean,
+low_var_kl). Arms:
+
+- ``tunix``: tunix's own ``grpo_loss_fn``;
+- ``xla``: our ``grpo_kernels`` loss (``integrations.tunix.logits_policy_loss``), impl xla,
+  with xla's TPU chunk budget;
+- ``pallas``: the same, impl pallas, with the options the adapter picks when given none
+  (``logits_options``: ``alias_logits=True``), compiled kernels sized for the generation;
+- ``pallas-unaliased``: the same with ``alias_logits=False``.
+
+Prints one JSON line per arm and generation, as ``benchmarks/tpu_train_step.py`` does: the
+buffer assignment's total (``buffer_total_bytes``), ``memory_analysis()``'s bytes, the kernels
+and the compile time. Nothing runs: no times come from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import shutil
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+
+import tpu_aot
+import tpu_train_step
+from grpo_kernels.ops.core.tpu import GENERATIONS
+
+ARMS = ("tunix", "xla", "pallas", "pallas-unaliased")
+PAD, EOS = 0, 1
+
+
+def tunix_model(name: str, layers: int):
+    """An abstract tunix Qwen2 of the Qwen2.5 shape ``name``, its first ``layers`` layers."""
+    from flax import nnx
+    from tunix.models.qwen2 import model as qwen2
+
+    c = tpu_train_step.model_config(name, layers)
+    config = qwen2.ModelConfig(
+        num_layers=layers, vocab_size=c.vocab_size, embed_dim=c.hidden_size,
+        hidden_dim=c.intermediate_size, num_heads=c.num_heads, head_dim=c.head_dim,
+        num_kv_heads=c.num_kv_heads, rope_theta=1_000_000, norm_eps=1e-6,
+        use_tied_embedding=c.tie_word_embeddings, dtype=jnp.bfloat16,
+        param_dtype=jnp.bfloat16)
+    return nnx.eval_shape(lambda: qwen2.Qwen2(config, rngs=nnx.Rngs(0))), c
+
+
+def loss_fn(arm: str, generation: str):
+    """The tunix policy loss of ``arm`` (its signature: model, example, config, pad, eos)."""
+    import functools
+
+    from tunix.rl import algo_core
+
+    from grpo_kernels.integrations import tunix as ours
+    from grpo_kernels.ops.logits_loss.xla import XlaBlockSizes
+    if arm == "tunix":
+        return algo_core.grpo_loss_fn
+    impl = "xla" if arm == "xla" else "pallas"
+    fields = tpu_aot.option_fields("logits", impl, generation)
+    if impl == "xla":
+        options = XlaBlockSizes(**fields)
+    else:  # the adapter's own default, made a TPU compile's
+        options = dataclasses.replace(ours.logits_options("pallas", None), **fields)
+        if arm == "pallas-unaliased":
+            options = dataclasses.replace(options, alias_logits=False)
+    return functools.partial(ours.logits_policy_loss, impl=impl, options=options)
+
+
+def step(arm: str, generation: str, device, model, rows: int, prompt: int, completion: int):
+    """``(jitted value_and_grad, abstract args)`` of one tunix update on ``device``."""
+    from flax import nnx
+    from tunix.rl import common
+    from tunix.rl.grpo.grpo_learner import GRPOConfig
+
+    sh = SingleDeviceSharding(device)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params, rest = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                 part) for part in (params, rest))
+
+    def s(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+    example = common.TrainExample(
+        prompt_ids=s((rows, prompt), jnp.int32), prompt_mask=s((rows, prompt), jnp.int32),
+        completion_ids=s((rows, completion), jnp.int32),
+        completion_mask=s((rows, completion), jnp.int32), advantages=s((rows,), jnp.float32),
+        ref_per_token_logps=s((rows, completion), jnp.float32),
+        old_per_token_logps=s((rows, completion), jnp.float32))
+    config = GRPOConfig(loss_agg_mode="token-mean", kl_loss_mode="low_var_kl", loss_algo="grpo",
+                        beta=0.04, epsilon=0.2, num_generations=2)
+    config.temperature = 1.0  # tunix's learner copies the rollout's temperature here
+    fn = loss_fn(arm, generation)
+
+    def loss(p, ex):
+        return fn(nnx.merge(graphdef, p, rest), ex, config, PAD, EOS)[0]
+    return jax.jit(jax.value_and_grad(loss)), (params, example)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 2)[2])
+    p.add_argument("--model", choices=sorted(tpu_train_step.MODELS), default="qwen2.5-1.5b",
+                   help="the Qwen2.5 shape (default: qwen2.5-1.5b)")
+    p.add_argument("--layers", type=int, default=1,
+                   help="decoder layers kept, the first N (default: 1)")
+    p.add_argument("--arms", type=tpu_aot._list(ARMS), default=list(ARMS),
+                   help=f"comma-separated, of {','.join(ARMS)} (default: all)")
+    p.add_argument("--generations", type=tpu_aot._list(GENERATIONS), default=["v6e"],
+                   help=f"comma-separated, of {','.join(GENERATIONS)} (default: v6e)")
+    p.add_argument("--rows", type=int, default=8, help="rows (default: 8)")
+    p.add_argument("--prompt", type=int, default=256, help="prompt tokens (default: 256)")
+    p.add_argument("--completion", type=int, default=1024,
+                   help="completion tokens (default: 1024)")
+    p.add_argument("--libtpu", help="libtpu.so (default: $TPU_LIBRARY_PATH, then "
+                   ".venv/libtpu/libtpu/libtpu.so)")
+    p.add_argument("--out", help="also append the JSON lines to this file")
+    args = p.parse_args(argv)
+    for name in ("rows", "prompt", "completion"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    try:
+        tpu_train_step.model_config(args.model, args.layers)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    dump = tpu_train_step.compile_env(args.libtpu, "tpu_tunix_step")
+    if dump is None:
+        return 2
+    failed = 0
+    try:
+        model, cfg = tunix_model(args.model, args.layers)
+        with open(args.out, "a") if args.out else open(os.devnull, "w") as out:
+            for gen, arm in itertools.product(args.generations, args.arms):
+                topo, devices = tpu_aot.topology(gen)
+                fn, a = step(arm, gen, devices[0], model, args.rows, args.prompt,
+                             args.completion)
+                n = args.rows * args.completion
+                row = {"op": "tunix-step", "arm": arm, "generation": gen, "topology": topo,
+                       "model": args.model, "layers": args.layers, "rows": args.rows,
+                       "prompt": args.prompt, "completion": args.completion,
+                       "vocab": cfg.vocab_size, "logits_bf16_bytes": n * cfg.vocab_size * 2}
+                row.update(tpu_aot.compile_case(fn, a, {"logits": [
+                    (args.rows, args.completion, cfg.vocab_size), (n, cfg.vocab_size)]}))
+                row["buffer_total_bytes"] = tpu_train_step.buffer_total(dump)
+                failed += not row["ok"]
+                line = json.dumps(row)
+                print(line, flush=True)
+                out.write(line + "\n")
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""benchmarks/tpu_tunix_step.py: one tunix update with our logits-level loss compiled by libtpu
+for a TPU, with no TPU (in a subprocess, as tests/benchmarks/test_tpu_train_step.py)."""
+
+import importlib.util
+
+import pytest
+
+from tests.benchmarks.test_tpu_train_step import pytestmark as needs_libtpu
+from tests.benchmarks.test_tpu_train_step import run as run_script
+
+pytestmark = [needs_libtpu, pytest.mark.skipif(
+    importlib.util.find_spec("tunix") is None,
+    reason="google-tunix is not installed (the dev extras install it)")]
+
+SMALL = ("--model", "qwen2.5-0.5b", "--rows", "1", "--prompt", "8", "--completion", "512",
+         "--generations", "v5e")
+
+
+def run(*argv):
+    return run_script(*argv, script="tpu_tunix_step.py")
+
+
+def test_the_adapters_pallas_default_writes_the_gradient_over_the_logits():
+    """integrations.tunix.logits_options' default (alias_logits) in a compiled tunix update:
+    the Mosaic kernel in the program, and a bf16 [B, T, V] buffer less than unaliased."""
+    code, rows, err = run(*SMALL, "--arms", "pallas,pallas-unaliased")
+    assert code == 0 and len(rows) == 2 and all(r["ok"] for r in rows), err[-3000:]
+    aliased, unaliased = rows
+    for r in rows:
+        assert r["kernels"] == ["grpo_one_pass"] and r["logits_copies"] == 0
+    saved = unaliased["buffer_total_bytes"] - aliased["buffer_total_bytes"]
+    assert saved >= 0.95 * aliased["logits_bf16_bytes"], (saved, aliased["logits_bf16_bytes"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--layers", "25"), "--layers must be in [1, 24] for qwen2.5-0.5b"),
+    (("--arms", "fused"), "fused"),
+    (("--completion", "0"), "--completion must be at least 1"),
+])
+def test_bad_arguments_fail_before_any_compile(argv, message):
+    code, rows, err = run("--model", "qwen2.5-0.5b", *argv)
+    assert code == 2 and not rows and message in err, err[-2000:]
