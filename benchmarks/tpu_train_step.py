@@ -107,32 +107,52 @@ def step(arm: str, entry: dict | None, device, cfg, rows: int, prompt: int, comp
     return jax.jit(grad_fn), (state, mb, s((), F32), s((), F32))
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def shape_parser(doc: str, arms: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The arguments this script shares with ``tpu_tunix_step.py``: the model shape, the arms,
+    the generations, the batch, libtpu and the output file; ``doc``: the script's docstring
+    (its first paragraph the description, from its third on the epilog)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 2)[2])
+                                epilog=doc.split("\n\n", 2)[2])
     p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b",
                    help="the Qwen2.5 shape (default: qwen2.5-1.5b)")
     p.add_argument("--layers", type=int, default=1,
                    help="decoder layers kept, the first N (default: 1)")
-    p.add_argument("--arms", type=tpu_aot._list(ARMS), default=list(ARMS),
-                   help=f"comma-separated, of {','.join(ARMS)} (default: all)")
+    p.add_argument("--arms", type=tpu_aot._list(arms), default=list(arms),
+                   help=f"comma-separated, of {','.join(arms)} (default: all)")
     p.add_argument("--generations", type=tpu_aot._list(GENERATIONS), default=["v6e"],
                    help=f"comma-separated, of {','.join(GENERATIONS)} (default: v6e)")
-    p.add_argument("--rows", type=int, default=8, help="micro-batch rows (default: 8)")
+    p.add_argument("--rows", type=int, default=8, help="rows of the batch (default: 8)")
     p.add_argument("--prompt", type=int, default=256, help="prompt width P (default: 256)")
     p.add_argument("--completion", type=int, default=1024,
                    help="completion tokens C (default: 1024)")
+    p.add_argument("--libtpu", help="libtpu.so (default: $TPU_LIBRARY_PATH, then "
+                   ".venv/libtpu/libtpu/libtpu.so)")
+    p.add_argument("--out", help="also append the JSON lines to this file")
+    return p
+
+
+def check_shape(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exits through ``p.error`` on a batch size below 1 or a layer count the model lacks."""
+    for name in ("rows", "prompt", "completion"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    try:
+        model_config(args.model, args.layers)
+    except ValueError as e:
+        p.error(str(e))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = shape_parser(__doc__, ARMS)
     p.add_argument("--logits-dtype", choices=DTYPE_CHOICES, default="float32",
                    help="loss.logits_dtype: the dtype the loss's logits are rounded to "
                    "(default: float32)")
     p.add_argument("--kernel", action="append", default=[], metavar="ARM.FIELD=VALUE",
                    help="a loss.kernel field on top of the arm's entry, value as YAML "
                    "(logits-pallas.alias_logits=true); repeatable")
-    p.add_argument("--libtpu", help="libtpu.so (default: $TPU_LIBRARY_PATH, then "
-                   ".venv/libtpu/libtpu/libtpu.so)")
-    p.add_argument("--out", help="also append the JSON lines to this file")
     args = p.parse_args(argv)
+    check_shape(p, args)
     args.overrides = {}
     for item in args.kernel:
         key, sep, value = item.partition("=")
@@ -140,9 +160,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not sep or not dot or arm not in ARMS or not field:
             p.error(f"--kernel {item!r}: expected ARM.FIELD=VALUE with ARM one of {list(ARMS)}")
         args.overrides.setdefault(arm, {})[field] = yaml.safe_load(value)
-    for name in ("rows", "prompt", "completion"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     return args
 
 
@@ -203,7 +220,6 @@ def main(argv=None) -> int:
     if dump is None:
         return 2
     try:
-        model_config(args.model, args.layers)
         from grpo_kernels.rl.kernel import build_options
         arms = [*args.arms, *(a for a in args.overrides if a not in args.arms)]
         for gen, arm in itertools.product(args.generations, arms):  # before any compile
@@ -214,10 +230,16 @@ def main(argv=None) -> int:
         print(f"tpu_train_step: {e}", file=sys.stderr)
         shutil.rmtree(dump)
         return 2
+    return emit(rows(args, dump), args.out, dump)
+
+
+def emit(rows, out_path: str | None, dump: Path) -> int:
+    """Prints each row of ``rows`` as a JSON line (appended to ``out_path`` too, when given),
+    then removes ``dump``; 1 if any row failed to compile, else 0."""
     failed = 0
     try:
-        with open(args.out, "a") if args.out else open(os.devnull, "w") as out:
-            for row in rows(args, dump):
+        with open(out_path, "a") if out_path else open(os.devnull, "w") as out:
+            for row in rows:
                 failed += not row["ok"]
                 line = json.dumps(row)
                 print(line, flush=True)

@@ -26,9 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
-import os
-import shutil
 import sys
 
 import jax
@@ -37,7 +34,6 @@ from jax.sharding import SingleDeviceSharding
 
 import tpu_aot
 import tpu_train_step
-from grpo_kernels.ops.core.tpu import GENERATIONS
 
 ARMS = ("tunix", "xla", "pallas", "pallas-unaliased")
 PAD, EOS = 0, 1
@@ -109,33 +105,26 @@ def step(arm: str, generation: str, device, model, rows: int, prompt: int, compl
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 2)[2])
-    p.add_argument("--model", choices=sorted(tpu_train_step.MODELS), default="qwen2.5-1.5b",
-                   help="the Qwen2.5 shape (default: qwen2.5-1.5b)")
-    p.add_argument("--layers", type=int, default=1,
-                   help="decoder layers kept, the first N (default: 1)")
-    p.add_argument("--arms", type=tpu_aot._list(ARMS), default=list(ARMS),
-                   help=f"comma-separated, of {','.join(ARMS)} (default: all)")
-    p.add_argument("--generations", type=tpu_aot._list(GENERATIONS), default=["v6e"],
-                   help=f"comma-separated, of {','.join(GENERATIONS)} (default: v6e)")
-    p.add_argument("--rows", type=int, default=8, help="rows (default: 8)")
-    p.add_argument("--prompt", type=int, default=256, help="prompt tokens (default: 256)")
-    p.add_argument("--completion", type=int, default=1024,
-                   help="completion tokens (default: 1024)")
-    p.add_argument("--libtpu", help="libtpu.so (default: $TPU_LIBRARY_PATH, then "
-                   ".venv/libtpu/libtpu/libtpu.so)")
-    p.add_argument("--out", help="also append the JSON lines to this file")
+    p = tpu_train_step.shape_parser(__doc__, ARMS)
     args = p.parse_args(argv)
-    for name in ("rows", "prompt", "completion"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    try:
-        tpu_train_step.model_config(args.model, args.layers)
-    except ValueError as e:
-        p.error(str(e))
+    tpu_train_step.check_shape(p, args)
     return args
+
+
+def rows(args: argparse.Namespace, dump):
+    model, cfg = tunix_model(args.model, args.layers)
+    n = args.rows * args.completion
+    for gen, arm in itertools.product(args.generations, args.arms):
+        topo, devices = tpu_aot.topology(gen)
+        fn, a = step(arm, gen, devices[0], model, args.rows, args.prompt, args.completion)
+        row = {"op": "tunix-step", "arm": arm, "generation": gen, "topology": topo,
+               "model": args.model, "layers": args.layers, "rows": args.rows,
+               "prompt": args.prompt, "completion": args.completion,
+               "vocab": cfg.vocab_size, "logits_bf16_bytes": n * cfg.vocab_size * 2}
+        row.update(tpu_aot.compile_case(fn, a, {"logits": [
+            (args.rows, args.completion, cfg.vocab_size), (n, cfg.vocab_size)]}))
+        row["buffer_total_bytes"] = tpu_train_step.buffer_total(dump)
+        yield row
 
 
 def main(argv=None) -> int:
@@ -143,29 +132,7 @@ def main(argv=None) -> int:
     dump = tpu_train_step.compile_env(args.libtpu, "tpu_tunix_step")
     if dump is None:
         return 2
-    failed = 0
-    try:
-        model, cfg = tunix_model(args.model, args.layers)
-        with open(args.out, "a") if args.out else open(os.devnull, "w") as out:
-            for gen, arm in itertools.product(args.generations, args.arms):
-                topo, devices = tpu_aot.topology(gen)
-                fn, a = step(arm, gen, devices[0], model, args.rows, args.prompt,
-                             args.completion)
-                n = args.rows * args.completion
-                row = {"op": "tunix-step", "arm": arm, "generation": gen, "topology": topo,
-                       "model": args.model, "layers": args.layers, "rows": args.rows,
-                       "prompt": args.prompt, "completion": args.completion,
-                       "vocab": cfg.vocab_size, "logits_bf16_bytes": n * cfg.vocab_size * 2}
-                row.update(tpu_aot.compile_case(fn, a, {"logits": [
-                    (args.rows, args.completion, cfg.vocab_size), (n, cfg.vocab_size)]}))
-                row["buffer_total_bytes"] = tpu_train_step.buffer_total(dump)
-                failed += not row["ok"]
-                line = json.dumps(row)
-                print(line, flush=True)
-                out.write(line + "\n")
-    finally:
-        shutil.rmtree(dump, ignore_errors=True)
-    return 1 if failed else 0
+    return tpu_train_step.emit(rows(args, dump), args.out, dump)
 
 
 if __name__ == "__main__":
