@@ -61,17 +61,16 @@ def loss_fn(arm: str, generation: str):
     from tunix.rl import algo_core
 
     from grpo_kernels.integrations import tunix as ours
-    from grpo_kernels.ops.logits_loss.xla import XlaBlockSizes
     if arm == "tunix":
         return algo_core.grpo_loss_fn
-    impl = "xla" if arm == "xla" else "pallas"
-    fields = tpu_aot.option_fields("logits", impl, generation)
-    if impl == "xla":
-        options = XlaBlockSizes(**fields)
+    if arm == "xla":
+        options = tpu_aot._options("logits", "xla", generation)
     else:  # the adapter's own default, made a TPU compile's
-        options = dataclasses.replace(ours.logits_options("pallas", None), **fields)
+        options = dataclasses.replace(ours.logits_options("pallas", None),
+                                      **tpu_aot.option_fields("logits", "pallas", generation))
         if arm == "pallas-unaliased":
             options = dataclasses.replace(options, alias_logits=False)
+    impl = "xla" if arm == "xla" else "pallas"
     return functools.partial(ours.logits_policy_loss, impl=impl, options=options)
 
 
