@@ -11,10 +11,15 @@ low_var_kl). Arms:
 
 - ``tunix``: tunix's own ``grpo_loss_fn``;
 - ``xla``: our ``grpo_kernels`` loss (``integrations.tunix.logits_policy_loss``), impl xla,
-  with xla's TPU chunk budget;
+  with xla's TPU chunk budget; its logits formed from the model's hidden states and head
+  (``logits_from="auto"``: bf16, the completion's positions only);
 - ``pallas``: the same, impl pallas, with the options the adapter picks when given none
   (``logits_options``: ``alias_logits=True``), compiled kernels sized for the generation;
-- ``pallas-unaliased``: the same with ``alias_logits=False``.
+- ``pallas-unaliased``: the same with ``alias_logits=False``;
+- ``pallas-model``: ``pallas`` on the model's own logits (``logits_from="model"``: every
+  position, cast to float32 by tunix's ``__call__``), as the adapter read them before;
+- ``fused-xla``, ``fused-pallas``: ``grpo_kernels_fused`` (``fused_policy_loss``) with the
+  adapter's default options (xla: ``dweight="vocab"``) made a TPU compile's.
 
 Prints one JSON line per arm and generation, as ``benchmarks/tpu_train_step.py`` does: the
 buffer assignment's total (``buffer_total_bytes``), ``memory_analysis()``'s bytes, the kernels
@@ -35,7 +40,8 @@ from jax.sharding import SingleDeviceSharding
 import tpu_aot
 import tpu_train_step
 
-ARMS = ("tunix", "xla", "pallas", "pallas-unaliased")
+ARMS = ("tunix", "xla", "pallas", "pallas-unaliased", "pallas-model", "fused-xla",
+        "fused-pallas")
 PAD, EOS = 0, 1
 
 
@@ -63,15 +69,19 @@ def loss_fn(arm: str, generation: str):
     from grpo_kernels.integrations import tunix as ours
     if arm == "tunix":
         return algo_core.grpo_loss_fn
-    if arm == "xla":
-        options = tpu_aot._options("logits", "xla", generation)
+    fused = arm.startswith("fused-")
+    op, impl = ("head" if fused else "logits"), ("xla" if arm.endswith("xla") else "pallas")
+    given = (ours.fused_options if fused else ours.logits_options)(impl, None)
+    if given is None:
+        options = tpu_aot._options(op, impl, generation)
     else:  # the adapter's own default, made a TPU compile's
-        options = dataclasses.replace(ours.logits_options("pallas", None),
-                                      **tpu_aot.option_fields("logits", "pallas", generation))
-        if arm == "pallas-unaliased":
-            options = dataclasses.replace(options, alias_logits=False)
-    impl = "xla" if arm == "xla" else "pallas"
-    return functools.partial(ours.logits_policy_loss, impl=impl, options=options)
+        options = dataclasses.replace(given, **tpu_aot.option_fields(op, impl, generation))
+    if arm == "pallas-unaliased":
+        options = dataclasses.replace(options, alias_logits=False)
+    if fused:
+        return functools.partial(ours.fused_policy_loss, impl=impl, options=options)
+    return functools.partial(ours.logits_policy_loss, impl=impl, options=options,
+                             logits_from="model" if arm == "pallas-model" else "auto")
 
 
 def step(arm: str, generation: str, device, model, rows: int, prompt: int, completion: int):

@@ -20,16 +20,18 @@ def run(*argv):
     return run_script(*argv, script="tpu_tunix_step.py")
 
 
-def test_the_adapters_pallas_default_writes_the_gradient_over_the_logits():
-    """integrations.tunix.logits_options' default (alias_logits) in a compiled tunix update:
-    the Mosaic kernel in the program, and a bf16 [B, T, V] buffer less than unaliased."""
-    code, rows, err = run(*SMALL, "--arms", "pallas,pallas-unaliased")
+def test_logits_formed_from_the_head_save_two_logits_sized_buffers():
+    """The adapter's default on a tunix Qwen2 (logits_from="auto": bf16 logits of the
+    completion's positions, formed from the hidden states and head) against the model's own
+    float32 logits of every position (logits_from="model"), both on the Mosaic kernel: at
+    least 1.5 bf16 [B, T, V] less (two at this shape; 4.24 GB at Qwen2.5-1.5B's, docs)."""
+    code, rows, err = run(*SMALL, "--arms", "pallas,pallas-model")
     assert code == 0 and len(rows) == 2 and all(r["ok"] for r in rows), err[-3000:]
-    aliased, unaliased = rows
+    head, model = rows
     for r in rows:
         assert r["kernels"] == ["grpo_one_pass"] and r["logits_copies"] == 0
-    saved = unaliased["buffer_total_bytes"] - aliased["buffer_total_bytes"]
-    assert saved >= 0.95 * aliased["logits_bf16_bytes"], (saved, aliased["logits_bf16_bytes"])
+    saved = model["buffer_total_bytes"] - head["buffer_total_bytes"]
+    assert saved >= 1.5 * head["logits_bf16_bytes"], (saved, head["logits_bf16_bytes"])
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -23,6 +23,7 @@ from tunix.rl.grpo.grpo_learner import GRPOConfig  # noqa: E402
 from grpo_kernels import LmHeadBlockSizes  # noqa: E402
 from grpo_kernels.config import LOSS_AGG_MODES  # noqa: E402
 from grpo_kernels.integrations import tunix as ours  # noqa: E402
+from grpo_kernels.integrations import tunix_modules  # noqa: E402
 from tests.integrations.tunix_models import (  # noqa: E402
     EOS, PAD, loss_and_grads, max_rel_err, tiny_model, train_example)
 
@@ -56,7 +57,10 @@ def test_both_losses_are_registered():
     for name, fn in (("grpo_kernels", ours.logits_policy_loss),
                      ("grpo_kernels_fused", ours.fused_policy_loss)):
         registered = function_registry.get_policy_loss_fn(name)
-        assert registered.func is fn and registered.keywords == {"impl": "auto", "options": None}
+        assert registered.func is fn
+        assert registered.keywords == {"impl": "auto", "options": None,
+                                       **({"logits_from": "auto"} if name == "grpo_kernels"
+                                          else {})}
     chunks = LmHeadBlockSizes(chunk_tokens=16)
     try:
         ours.register(impl="xla", fused_options=chunks)
@@ -103,9 +107,11 @@ def test_model_families(family, tied):
     example = train_example(model, seed=3, sampler=True)
     cfg = algo_config(*TUNIX_LIKE)
     want = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg, jit=False)
-    for fn in (ours.logits_policy_loss, ours.fused_policy_loss):
-        assert_parity(f"{family}-{fn.__name__}", loss_and_grads(fn, model, example, cfg,
-                                                                jit=False), want)
+    called = functools.partial(ours.logits_policy_loss, logits_from="model")
+    for name, fn in (("logits", ours.logits_policy_loss), ("logits-model-call", called),
+                     ("fused", ours.fused_policy_loss)):
+        assert_parity(f"{family}-{name}", loss_and_grads(fn, model, example, cfg, jit=False),
+                      want)
 
 
 def test_jitted_update_matches(qwen3):
@@ -123,8 +129,8 @@ def test_hidden_states_times_head_are_the_model_logits(family, tied):
     example = train_example(model, seed=5)
     inputs = ours.model_inputs(model, example, PAD, EOS)
     logits, _ = model(**inputs, cache=None)
-    hidden, table = ours.hidden_states(model, inputs)
-    head = ours.lm_head(model, hidden, table)
+    hidden, table = tunix_modules.hidden_states(model, inputs)
+    head = tunix_modules.lm_head(model, hidden, table)
     spec = "bld,dv->blv" if head.layout == "hv" else "bld,vd->blv"
     mine = jnp.einsum(spec, hidden.astype(head.dtype), head.weights)
     np.testing.assert_allclose(np.asarray(mine, np.float64), np.asarray(logits, np.float64),
@@ -196,7 +202,7 @@ def test_tied_bf16_update_plans_no_float32_copy_of_the_embedding(monkeypatch):
 
     table = 2 * vocab * hidden
     fused = temp_bytes()
-    monkeypatch.setattr(ours, "tied_lookup", lambda t, ids: (t[ids], t))
+    monkeypatch.setattr(tunix_modules, "tied_lookup", lambda t, ids: (t[ids], t))
     plain = temp_bytes()
     assert plain - fused >= 1.5 * table, (fused, plain, table)
 
@@ -233,7 +239,7 @@ def test_errors_name_the_field():
     model = tiny_model("qwen3", seed=0)
     example = train_example(model, seed=1)
     cfg = algo_config(*TUNIX_LIKE)
-    with pytest.raises(ValueError, match="Qwen2, Qwen3, Llama3 model; got NotATunixModel"):
+    with pytest.raises(ValueError, match="NotATunixModel is not a tunix Qwen2, Qwen3 or"):
         ours.fused_policy_loss(NotATunixModel(), example, cfg, PAD, EOS)
     packed = dataclasses.replace(example, segment_ids=jnp.ones_like(example.completion_ids))
     with pytest.raises(ValueError, match="train_example.segment_ids"):

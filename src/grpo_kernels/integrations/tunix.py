@@ -4,14 +4,15 @@ Importing this module registers two policy losses in tunix's registry
 (``tunix.rl.function_registry.register_policy_loss_fn``), both with tunix's call
 ``(model, train_example, algo_config, pad_id, eos_id)``:
 
-- ``"grpo_kernels"``: the model's logits through :func:`grpo_kernels.grpo_loss`
-  (``impl="auto"``);
+- ``"grpo_kernels"``: the completion's logits through :func:`grpo_kernels.grpo_loss`
+  (``impl="auto"``). From a tunix Qwen2, Qwen3 or Llama3 they are formed from its hidden
+  states and head, in the model's dtype and at the completion's positions only; from any other
+  model, by its ``__call__`` (:func:`logits_policy_loss`);
 - ``"grpo_kernels_fused"``: the model's final hidden states and head weights through
   :func:`grpo_kernels.grpo_loss_from_hidden`, so the actor update holds no ``[B, T, V]`` array.
-  Hidden states come from tunix's own Qwen2, Qwen3 and Llama3 modules (embedder, decoder layers,
-  final norm: :func:`hidden_states`); the embedder's lookup is
-  :func:`~grpo_kernels.ops.lm_head_loss.lookup.tied_lookup`, the same rows, whose table
-  gradient is added into a tied head's without a float32 copy of the table.
+
+:mod:`grpo_kernels.integrations.tunix_modules` reads tunix's model classes below their
+logits (qwix LoRA adapters included) and says which models it cannot read.
 
 Both compute tunix's ``grpo_loss_fn`` (tunix/rl/algo_core.py) on the same inputs: the mapping
 of its ``GRPOConfig`` is :func:`loss_config`, the aux dict it logs is :func:`tunix_aux`, and
@@ -22,7 +23,6 @@ that need it (``pip install grpo-kernels[tunix]``).
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from typing import Any, NamedTuple
 
@@ -30,10 +30,11 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.integrations.tunix_modules import (completion_hidden, completion_logits,
+                                                     head_blocker)
 from grpo_kernels.objective import log_importance_ratio, token_terms, token_weights
 from grpo_kernels.ops.lm_head_loss.api import default_impl as default_head_impl
 from grpo_kernels.ops.lm_head_loss.api import grpo_loss_from_hidden
-from grpo_kernels.ops.lm_head_loss.lookup import tied_lookup
 from grpo_kernels.ops.lm_head_loss.xla import LmHeadBlockSizes
 from grpo_kernels.ops.logits_loss.api import default_impl as default_logits_impl
 from grpo_kernels.ops.logits_loss.api import grpo_loss
@@ -42,6 +43,8 @@ from grpo_kernels.ops.logits_loss.pallas import PallasOptions
 Array = jax.Array
 
 POLICY_LOSSES: tuple[str, ...] = ("grpo_kernels", "grpo_kernels_fused")
+# Where the logits-level loss takes its logits from (logits_policy_loss).
+LOGITS_FROM: tuple[str, ...] = ("auto", "model")
 # tunix's kl_loss_mode -> our kl_estimator (tunix/rl/common.py: compute_kl_divergence).
 KL_MODES: dict[str, str] = {"kl": "k1", "mse_kl": "k2", "low_var_kl": "k3"}
 LOSS_ALGOS: tuple[str, ...] = ("grpo", "gspo-token")
@@ -161,86 +164,6 @@ def model_inputs(model: Any, train_example: Any, pad_id: int, eos_id: int) -> di
     return out
 
 
-# --- hidden states of tunix's model classes, without their logits -------------------------------
-
-class Head(NamedTuple):
-    """A model's LM head as the fused loss takes it."""
-
-    weights: Array
-    layout: str
-    dtype: Any
-
-
-def _supported() -> dict[type, str]:
-    from tunix.models.llama3.model import Llama3
-    from tunix.models.qwen2.model import Qwen2
-    from tunix.models.qwen3.model import Qwen3
-
-    return {Qwen2: "qwen2", Qwen3: "qwen3", Llama3: "llama3"}
-
-
-def model_family(model: Any) -> str:
-    """``"qwen2"``, ``"qwen3"`` or ``"llama3"``; ValueError naming any other class."""
-    for cls, family in _supported().items():
-        if isinstance(model, cls):
-            return family
-    names = ", ".join(cls.__name__ for cls in _supported())
-    raise ValueError(f"grpo_kernels_fused needs the hidden states of a tunix {names} model; "
-                     f"got {type(model).__name__} (use policy_loss_fn='grpo_kernels' for it)")
-
-
-def embed(model: Any, tokens: Array) -> tuple[Array, Array]:
-    """``model.embedder.encode(tokens)`` (tunix 0.1.7: the rows, cast to the embedder's dtype
-    except in Llama3, constrained to its ``act_btd`` sharding) by :func:`tied_lookup`, and the
-    embedding table it passes through: a tied head that uses that table gets the lookup's
-    gradient added into its own in place (no float32 copy of the table on XLA:CPU)."""
-    embedder = model.embedder
-    x, table = tied_lookup(embedder.input_embedding.value, tokens)
-    if model_family(model) != "llama3":
-        x = jnp.astype(x, embedder.dtype)
-    return importlib.import_module(type(embedder).__module__).shard(
-        x, embedder.shd_config.act_btd), table
-
-
-def hidden_states(model: Any, inputs: dict[str, Any]) -> tuple[Array, Array]:
-    """``([B, L, D]`` after the final norm, the embedding table for :func:`lm_head`): the
-    model's ``__call__`` up to its head, with the same modules and arguments (tunix 0.1.7's
-    Qwen2, Qwen3 and Llama3; the lookup by :func:`embed`)."""
-    family = model_family(model)
-    tokens, positions = inputs["input_tokens"], inputs["positions"]
-    attn, seg = inputs["attention_mask"], inputs.get("segment_ids")
-    x, table = embed(model, tokens)
-    if family == "qwen2":
-        from tunix.models.qwen2 import model as qwen2
-
-        sin, cos = qwen2._generate_pos_embeddings(positions, model.config.head_dim,
-                                                  model.config.rope_theta)
-        sin, cos = sin.astype(x.dtype), cos.astype(x.dtype)
-        for layer in model.layers:
-            _, x = layer(x, None, attn, sin, cos, segment_ids=seg)
-    elif family == "qwen3":
-        for layer in model.layers:
-            _, x = layer(x, positions, None, attn, segment_ids=seg)
-    else:
-        for layer in model.layers:
-            _, x = layer(x, positions, None, attn)
-    return model.final_norm(x), table
-
-
-def lm_head(model: Any, hidden: Array, table: Array) -> Head:
-    """The head weights in the dtype the model multiplies them in, and the logits' dtype:
-    ``table`` (the embedding from :func:`hidden_states`) when the head is tied.
-
-    Qwen2/Qwen3 cast both operands to ``config.dtype``; Llama3 multiplies as stored.
-    """
-    family = model_family(model)
-    tied = model.config.weight_tying if family == "llama3" else model.config.use_tied_embedding
-    w = table if tied else model.lm_head.w.value
-    layout = "vh" if tied else "hv"
-    dtype = jnp.result_type(hidden.dtype, w.dtype) if family == "llama3" else model.config.dtype
-    return Head(w.astype(dtype), layout, jnp.dtype(dtype))
-
-
 # --- the two policy losses ------------------------------------------------------------------------
 
 def _tunix_mean(x: Array, mask: Array) -> Array:
@@ -303,16 +226,34 @@ def _loss_kwargs(ex: Example) -> dict[str, Any]:
                 sampler_weights=ex.sampler_weights)
 
 
+def _check_logits_from(logits_from: str) -> None:
+    if logits_from not in LOGITS_FROM:
+        raise ValueError(f"logits_from: must be one of {list(LOGITS_FROM)}, got {logits_from!r}")
+
+
 def logits_policy_loss(model: Any, train_example: Any, algo_config: Any, pad_id: int,
                        eos_id: int, impl: str = "auto", options: Any = None,
-                       **kwargs: Any) -> tuple[Array, dict[str, Array]]:
-    """tunix's GRPO loss through :func:`grpo_kernels.grpo_loss` on the model's logits, with
-    ``impl`` and ``options`` as there (other keyword arguments of tunix's call are ignored)."""
+                       logits_from: str = "auto", **kwargs: Any
+                       ) -> tuple[Array, dict[str, Array]]:
+    """tunix's GRPO loss through :func:`grpo_kernels.grpo_loss` on the completion's logits,
+    with ``impl`` and ``options`` as there (other keyword arguments of tunix's call are
+    ignored).
+
+    ``logits_from="auto"`` forms the logits from the model's hidden states and head where
+    :func:`~grpo_kernels.integrations.tunix_modules.head_blocker` allows it
+    (:func:`~grpo_kernels.integrations.tunix_modules.completion_logits`: the completion's
+    positions only, in the model's dtype, without tunix's float32 copy), else calls the model;
+    ``"model"`` always calls it. Both give the same numbers.
+    """
+    _check_logits_from(logits_from)
     ex = example_inputs(train_example)
     config = loss_config(algo_config, ex.ref_logps is not None)
-    logits, _ = model(**model_inputs(model, train_example, pad_id, eos_id), cache=None)
+    inputs = model_inputs(model, train_example, pad_id, eos_id)
     t = ex.ids.shape[1]
-    logits = logits[:, -t - 1:-1, :]
+    if logits_from == "auto" and head_blocker(model) is None:
+        logits = completion_logits(model, inputs, t)
+    else:
+        logits = model(**inputs, cache=None)[0][:, -t - 1:-1, :]
     loss, metrics = grpo_loss(logits, ex.ids, ex.mask, ex.advantages, config=config,
                               impl=impl, options=logits_options(impl, options),
                               **_loss_kwargs(ex))
@@ -323,17 +264,19 @@ def fused_policy_loss(model: Any, train_example: Any, algo_config: Any, pad_id: 
                       eos_id: int, impl: str = "auto", options: Any = None,
                       **kwargs: Any) -> tuple[Array, dict[str, Array]]:
     """tunix's GRPO loss through :func:`grpo_kernels.grpo_loss_from_hidden`: no ``[B, T, V]``
-    array. ``impl`` and ``options`` as there (other keyword arguments are ignored)."""
-    model_family(model)  # an unsupported class fails before any work
+    array. ``impl`` and ``options`` as there (other keyword arguments are ignored). A model
+    that cannot be read below its logits
+    (:func:`~grpo_kernels.integrations.tunix_modules.head_blocker`) raises ValueError."""
+    blocker = head_blocker(model)
+    if blocker is not None:  # before any work
+        raise ValueError(f"grpo_kernels_fused needs a model's hidden states and head weights: "
+                         f"{blocker} (use policy_loss_fn='grpo_kernels' for it)")
     ex = example_inputs(train_example)
     config = loss_config(algo_config, ex.ref_logps is not None)
-    inputs = model_inputs(model, train_example, pad_id, eos_id)
     t = ex.ids.shape[1]
-    hidden, table = hidden_states(model, inputs)
-    hidden = hidden[:, -t - 1:-1, :]
-    head = lm_head(model, hidden, table)
+    hidden, head = completion_hidden(model, model_inputs(model, train_example, pad_id, eos_id), t)
     loss, metrics = grpo_loss_from_hidden(
-        hidden.astype(head.dtype), head.weights, ex.ids, ex.mask, ex.advantages, config=config,
+        hidden, head.weights, ex.ids, ex.mask, ex.advantages, config=config,
         impl=impl, options=fused_options(impl, options), lm_head_layout=head.layout,
         logits_dtype=head.dtype, **_loss_kwargs(ex))
     return loss, tunix_aux(metrics, ex, config, _field(algo_config, "epsilon_c"))
@@ -343,10 +286,10 @@ def logits_options(impl: str, options: Any) -> Any:
     """The logits-level loss's options: ``options`` when given; else, where the Pallas
     implementation runs, ``PallasOptions(alias_logits=True)``.
 
-    The completion's logits are a slice of the model's, an intermediate that nothing reads
-    after the loss, so the kernels may write the gradient over them: compiled for a v6e, one
-    tunix update plans one bf16 ``[B, T, V]`` buffer less, which puts it below xla's
-    (docs/integrations/tunix.md, "The logits-level loss on a TPU").
+    The completion's logits are an intermediate that nothing reads after the loss, so the
+    kernels may write the gradient over them: compiled for a v6e, one tunix update of a
+    Qwen2.5-1.5B-shaped layer plans 1.81 GB less (docs/integrations/tunix.md, "Both losses on
+    a TPU").
     """
     if options is not None:
         return options
@@ -370,21 +313,23 @@ def fused_options(impl: str, options: Any) -> Any:
     return LmHeadBlockSizes(dweight="vocab") if chosen == "xla" else None
 
 
-def register(impl: str = "auto", options: Any = None,
-             fused_options: Any = None) -> None:
+def register(impl: str = "auto", options: Any = None, fused_options: Any = None,
+             logits_from: str = "auto") -> None:
     """Registers :data:`POLICY_LOSSES` in tunix's function registry.
 
     Done on import with the defaults; call it again to choose the implementation (``impl``)
     or its options: ``options`` for ``"grpo_kernels"`` (``XlaBlockSizes`` / ``PallasOptions``),
     ``fused_options`` for ``"grpo_kernels_fused"`` (``LmHeadBlockSizes`` /
     ``LmHeadPallasOptions``, e.g. a smaller ``chunk_bytes``; ``None``: :func:`fused_options`'s
-    choice). tunix logs that it overwrites
-    the earlier registration.
+    choice), and where ``"grpo_kernels"`` takes its logits from (``logits_from``, as in
+    :func:`logits_policy_loss`). tunix logs that it overwrites the earlier registration.
     """
+    _check_logits_from(logits_from)
     from tunix.rl import function_registry
 
     function_registry.register_policy_loss_fn("grpo_kernels")(
-        functools.partial(logits_policy_loss, impl=impl, options=options))
+        functools.partial(logits_policy_loss, impl=impl, options=options,
+                          logits_from=logits_from))
     function_registry.register_policy_loss_fn("grpo_kernels_fused")(
         functools.partial(fused_policy_loss, impl=impl, options=fused_options))
 

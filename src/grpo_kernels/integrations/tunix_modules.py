@@ -1,0 +1,176 @@
+r"""tunix's model classes read below their logits: final hidden states and LM-head weights.
+
+Both registered losses (:mod:`grpo_kernels.integrations.tunix`) read a tunix Qwen2, Qwen3 or
+Llama3 this way, when they can: the fused loss to hold no ``[B, T, V]`` array at all, the
+logits-level loss to form the completion's logits itself, ``hidden[:, -T-1:-1] @ W`` in the
+model's compute dtype, where tunix's ``__call__`` forms every position's and casts them to
+float32 (:func:`completion_logits`). Both give the same numbers as the model's ``__call__``.
+
+Which way a model is read (:func:`head_blocker`):
+
+- a tunix class whose ``__call__`` is the class's own: decoder layers run here as modules
+  (:func:`hidden_states`), the embedding lookup by :func:`tied_lookup`;
+- the same class adapted by qwix (``qwix.apply_lora_to_model``, the way tunix adds LoRA): qwix
+  swaps the class for one whose ``__call__`` intercepts the matmuls, so the adapters act only
+  inside that call. Qwen2 and Qwen3 are run through it (``output_hidden_states=True``; under
+  ``jit`` the unused logits are dropped). Llama3's ``__call__`` has no such output, and an
+  adapter on the LM head itself cannot be seen from its weights: those models are not read;
+- anything else (another class, or a subclass with its own ``__call__``) is not read.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from grpo_kernels.ops.lm_head_loss.head import head_logits
+from grpo_kernels.ops.lm_head_loss.lookup import tied_lookup
+
+Array = jax.Array
+
+
+class Head(NamedTuple):
+    """A model's LM head as the fused loss takes it."""
+
+    weights: Array
+    layout: str
+    dtype: Any
+
+
+def _supported() -> dict[type, str]:
+    from tunix.models.llama3.model import Llama3
+    from tunix.models.qwen2.model import Qwen2
+    from tunix.models.qwen3.model import Qwen3
+
+    return {Qwen2: "qwen2", Qwen3: "qwen3", Llama3: "llama3"}
+
+
+def model_family(model: Any) -> str:
+    """``"qwen2"``, ``"qwen3"`` or ``"llama3"``; ValueError naming any other class."""
+    for cls, family in _supported().items():
+        if isinstance(model, cls):
+            return family
+    names = ", ".join(cls.__name__ for cls in _supported())
+    raise ValueError(f"grpo_kernels_fused needs the hidden states of a tunix {names} model; "
+                     f"got {type(model).__name__} (use policy_loss_fn='grpo_kernels' for it)")
+
+
+def qwix_adapted(model: Any) -> bool:
+    """Whether qwix has swapped the model's class for an intercepting one (LoRA, QAT)."""
+    return hasattr(type(model), "_unquantized_type")
+
+
+def _tied(model: Any, family: str) -> bool:
+    return model.config.weight_tying if family == "llama3" else model.config.use_tied_embedding
+
+
+def head_adapters(model: Any) -> list[str]:
+    """The qwix LoRA parameters (``nnx.LoRAParam``) on the LM head's module: the embedder
+    when the head is tied, else ``lm_head``."""
+    from flax import nnx
+
+    module = model.embedder if _tied(model, model_family(model)) else model.lm_head
+    state = nnx.state(module, nnx.LoRAParam)
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(state)]
+
+
+def head_blocker(model: Any) -> str | None:
+    """Why ``model`` cannot be read below its logits (None: it can), in words."""
+    try:
+        family = model_family(model)
+    except ValueError:
+        return f"{type(model).__name__} is not a tunix Qwen2, Qwen3 or Llama3"
+    cls = next(c for c, f in _supported().items() if f == family)
+    base = type(model)._unquantized_type if qwix_adapted(model) else type(model)
+    if base.__call__ is not cls.__call__:
+        return f"{base.__name__} has its own __call__"
+    if qwix_adapted(model) and family == "llama3":
+        return "qwix adapters act inside Llama3.__call__, which returns no hidden states"
+    adapters = head_adapters(model)
+    if adapters:
+        return f"its LM head carries qwix LoRA parameters ({', '.join(adapters)})"
+    return None
+
+
+def embed(model: Any, tokens: Array) -> tuple[Array, Array]:
+    """``model.embedder.encode(tokens)`` (tunix 0.1.7: the rows, cast to the embedder's dtype
+    except in Llama3, constrained to its ``act_btd`` sharding) by :func:`tied_lookup`, and the
+    embedding table it passes through: a tied head that uses that table gets the lookup's
+    gradient added into its own in place (no float32 copy of the table on XLA:CPU)."""
+    embedder = model.embedder
+    x, table = tied_lookup(embedder.input_embedding.value, tokens)
+    if model_family(model) != "llama3":
+        x = jnp.astype(x, embedder.dtype)
+    return importlib.import_module(type(embedder).__module__).shard(
+        x, embedder.shd_config.act_btd), table
+
+
+def _hidden_by_call(model: Any, inputs: dict[str, Any]) -> Array:
+    """The final hidden states a Qwen2/Qwen3 ``__call__`` sows (``all_hidden_states``),
+    popped so that no intermediate stays on the model."""
+    from flax import nnx
+
+    model(**inputs, cache=None, output_hidden_states=True)
+    return nnx.pop(model, nnx.Intermediate)["all_hidden_states"].value[-1]
+
+
+def hidden_states(model: Any, inputs: dict[str, Any]) -> tuple[Array, Array]:
+    """``([B, L, D]`` after the final norm, the embedding table for :func:`lm_head`): the
+    model's ``__call__`` up to its head, with the same modules and arguments (tunix 0.1.7's
+    Qwen2, Qwen3 and Llama3; the lookup by :func:`embed`). A qwix-adapted model runs its own
+    ``__call__``, where its adapters act (module docstring)."""
+    family = model_family(model)
+    if qwix_adapted(model):
+        return _hidden_by_call(model, inputs), model.embedder.input_embedding.value
+    tokens, positions = inputs["input_tokens"], inputs["positions"]
+    attn, seg = inputs["attention_mask"], inputs.get("segment_ids")
+    x, table = embed(model, tokens)
+    if family == "qwen2":
+        from tunix.models.qwen2 import model as qwen2
+
+        sin, cos = qwen2._generate_pos_embeddings(positions, model.config.head_dim,
+                                                  model.config.rope_theta)
+        sin, cos = sin.astype(x.dtype), cos.astype(x.dtype)
+        for layer in model.layers:
+            _, x = layer(x, None, attn, sin, cos, segment_ids=seg)
+    elif family == "qwen3":
+        for layer in model.layers:
+            _, x = layer(x, positions, None, attn, segment_ids=seg)
+    else:
+        for layer in model.layers:
+            _, x = layer(x, positions, None, attn)
+    return model.final_norm(x), table
+
+
+def lm_head(model: Any, hidden: Array, table: Array) -> Head:
+    """The head weights in the dtype the model multiplies them in, and the logits' dtype:
+    ``table`` (the embedding from :func:`hidden_states`) when the head is tied.
+
+    Qwen2/Qwen3 cast both operands to ``config.dtype``; Llama3 multiplies as stored.
+    """
+    family = model_family(model)
+    w = table if _tied(model, family) else model.lm_head.w.value
+    layout = "vh" if _tied(model, family) else "hv"
+    dtype = jnp.result_type(hidden.dtype, w.dtype) if family == "llama3" else model.config.dtype
+    return Head(w.astype(dtype), layout, jnp.dtype(dtype))
+
+
+def completion_hidden(model: Any, inputs: dict[str, Any], t: int) -> tuple[Array, Head]:
+    """The hidden states that predict the last ``t`` tokens (``[B, t, D]``, in the head's
+    dtype) and the head: what both losses read (:func:`head_blocker` must be None)."""
+    hidden, table = hidden_states(model, inputs)
+    hidden = hidden[:, -t - 1:-1, :]
+    head = lm_head(model, hidden, table)
+    return hidden.astype(head.dtype), head
+
+
+def completion_logits(model: Any, inputs: dict[str, Any], t: int) -> Array:
+    """``[B, t, V]`` logits of the last ``t`` tokens in the model's logits dtype: the values
+    of ``model(...)[0][:, -t-1:-1]`` before tunix's float32 cast (Qwen2, Qwen3), which is
+    exact, so a loss that reads them in float32 sees the same numbers. The gradient comes back
+    in that dtype, as through the cast's transpose."""
+    hidden, head = completion_hidden(model, inputs, t)
+    return head_logits(hidden, head.weights, head.layout, None, head.dtype)

@@ -1,0 +1,139 @@
+"""grpo_kernels.integrations.tunix_modules: which tunix models both losses read below their
+logits, and that what they read is what the model's own ``__call__`` computes: qwix LoRA
+adapters included (tunix's way of adding LoRA), every other case falling back or raising."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("tunix", reason="google-tunix is not installed (make test installs it)")
+qwix = pytest.importorskip("qwix", reason="qwix is not installed (google-tunix depends on it)")
+
+from flax import nnx  # noqa: E402
+from tunix.rl import algo_core  # noqa: E402
+
+from grpo_kernels.integrations import tunix as ours  # noqa: E402
+from grpo_kernels.integrations import tunix_modules  # noqa: E402
+from tests.integrations.test_tunix import TUNIX_LIKE, algo_config, assert_parity  # noqa: E402
+from tests.integrations.tunix_models import (  # noqa: E402
+    EOS, PAD, loss_and_grads, tiny_model, train_example)
+
+BODY = ".*attn.*|.*mlp.*"  # the decoder layers' projections, as tunix's LoRA examples adapt
+
+
+def with_lora(model, example, module_path: str):
+    """``model`` adapted by qwix's LoRA (rank 4) on ``module_path``, every LoRA parameter
+    moved off its initial value (B starts at zero, where an adapter changes nothing)."""
+    inputs = ours.model_inputs(model, example, PAD, EOS)
+    adapted = qwix.apply_lora_to_model(model, qwix.LoraProvider(
+        module_path=module_path, rank=4, alpha=2.0), **inputs, cache=None, rngs=nnx.Rngs(3))
+    lora = nnx.state(adapted, nnx.LoRAParam)
+    assert jax.tree.leaves(lora), f"no LoRA parameter matched {module_path!r}"
+    keys = jax.random.split(jax.random.key(7), len(jax.tree.leaves(lora)))
+    leaves, tree = jax.tree.flatten(lora)
+    nnx.update(adapted, jax.tree.unflatten(tree, [
+        x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]))
+    return adapted
+
+
+def halved(model):
+    """``model`` as an instance of a subclass whose ``__call__`` halves the logits."""
+    base = type(model)
+
+    def __call__(self, *args, **kwargs):
+        logits, cache = base.__call__(self, *args, **kwargs)
+        return logits * 0.5, cache
+    model.__class__ = type("HalvedLogits", (base,), {"__call__": __call__})
+    return model
+
+
+@pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen3", False)])
+def test_lora_adapted_models_match_tunix(family, tied):
+    """Adapters on the decoder layers act inside qwix's ``__call__``: both losses, loss and
+    every gradient (LoRA's included), equal tunix's own on the adapted model."""
+    model = tiny_model(family, seed=2, tied=tied)
+    example = train_example(model, seed=3, sampler=True)
+    adapted = with_lora(model, example, BODY)
+    assert tunix_modules.head_blocker(adapted) is None
+    cfg = algo_config(*TUNIX_LIKE)
+    want = loss_and_grads(algo_core.grpo_loss_fn, adapted, example, cfg, jit=False)
+    plain = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg, jit=False)
+    assert abs(float(want[0]) - float(plain[0])) > 1e-3  # the adapters change the loss
+    for fn in (ours.logits_policy_loss, ours.fused_policy_loss):
+        assert_parity(f"{family}-lora-{fn.__name__}",
+                      loss_and_grads(fn, adapted, example, cfg, jit=False), want)
+    assert not jax.tree.leaves(nnx.state(adapted, nnx.Intermediate))  # nothing left sown
+
+
+@pytest.mark.parametrize("case", ["lora-on-head", "qwix-llama3", "own-call"])
+def test_models_not_read_fall_back_or_raise(case):
+    """A model whose logits cannot be formed from its hidden states and head weights: the
+    logits-level loss calls the model (and equals tunix's), the fused loss raises why."""
+    if case == "lora-on-head":
+        model = tiny_model("qwen3", seed=4)
+        example = train_example(model, seed=5)
+        model, reason = with_lora(model, example, ".*lm_head.*"), "LM head carries qwix LoRA"
+    elif case == "qwix-llama3":
+        model = tiny_model("llama3", seed=4)
+        example = train_example(model, seed=5)
+        model, reason = with_lora(model, example, BODY), "inside Llama3.__call__"
+    else:
+        model = tiny_model("qwen2", seed=4, tied=True)
+        example = train_example(model, seed=5)
+        model, reason = halved(model), "HalvedLogits has its own __call__"
+    assert reason in tunix_modules.head_blocker(model)
+    cfg = algo_config(*TUNIX_LIKE)
+    want = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg, jit=False)
+    assert_parity(case, loss_and_grads(ours.logits_policy_loss, model, example, cfg, jit=False),
+                  want)
+    with pytest.raises(ValueError, match=f"grpo_kernels_fused needs .*{reason}"):
+        ours.fused_policy_loss(model, example, cfg, PAD, EOS)
+
+
+def test_completion_logits_are_the_models_before_its_float32_cast():
+    """A bfloat16 Qwen2: the logits formed from the head are bf16 and equal, after the exact
+    upcast, the completion's slice of the model's float32 logits (to bf16 rounding: the same
+    products, maybe summed in another order)."""
+    model = tiny_model("qwen2", seed=6, tied=True, dtype=jnp.bfloat16)
+    example = train_example(model, seed=7)
+    inputs = ours.model_inputs(model, example, PAD, EOS)
+    t = example.completion_ids.shape[1]
+    mine = tunix_modules.completion_logits(model, inputs, t)
+    theirs = model(**inputs, cache=None)[0][:, -t - 1:-1, :]
+    assert mine.dtype == jnp.bfloat16 and theirs.dtype == jnp.float32
+    err = jnp.max(jnp.abs(mine.astype(jnp.float32) - theirs)) / jnp.max(jnp.abs(theirs))
+    assert float(err) <= 2 ** -7, float(err)
+
+
+def test_logits_from_is_checked():
+    model = tiny_model("qwen3", seed=0)
+    example = train_example(model, seed=1)
+    with pytest.raises(ValueError, match="logits_from: must be one of"):
+        ours.logits_policy_loss(model, example, algo_config(*TUNIX_LIKE), PAD, EOS,
+                                logits_from="head")
+    with pytest.raises(ValueError, match="logits_from: must be one of"):
+        ours.register(logits_from="hidden")
+
+
+def test_lora_update_drops_the_models_unused_logits():
+    """A qwix-adapted model's hidden states come from its own ``__call__``, which also forms
+    every position's float32 logits; under ``jit`` nothing reads them and XLA drops them: one
+    jitted update of the LoRA parameters (V = 16,384) plans less than one float32 ``[B, T, V]``
+    (tunix's own loss plans more than three)."""
+    from grpo_kernels import LmHeadBlockSizes
+
+    model = tiny_model("qwen3", seed=8)
+    model.lm_head.w.value = jnp.zeros((32, 16_384), jnp.float32)
+    model.embedder.input_embedding.value = jax.random.normal(jax.random.key(1), (16_384, 32))
+    example = train_example(model, seed=9, batch=4, prompt=8, completion=64)
+    adapted = with_lora(model, example, BODY)
+    graphdef, lora, rest = nnx.split(adapted, nnx.LoRAParam, ...)
+    cfg = algo_config("token-mean", "low_var_kl", "grpo", None)
+
+    def f(p):
+        return ours.fused_policy_loss(nnx.merge(graphdef, p, rest), example, cfg, PAD, EOS,
+                                      options=LmHeadBlockSizes(chunk_tokens=32))[0]
+    temp = jax.jit(jax.value_and_grad(f)).lower(lora).compile().memory_analysis() \
+        .temp_size_in_bytes
+    logits_f32 = 4 * 4 * 64 * 16_384
+    assert temp < 0.75 * logits_f32, (temp, logits_f32)
