@@ -101,7 +101,8 @@ TUNIX_LIKE = ("sequence-mean-token-mean", "low_var_kl", "gspo-token", 3.0)
 
 
 @pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen2", False), ("qwen3", True),
-                                         ("llama3", False), ("llama3", True)])
+                                         ("llama3", False), ("llama3", True), ("gemma3", True),
+                                         ("gemma", True)])
 def test_model_families(family, tied):
     model = tiny_model(family, seed=2, tied=tied)
     example = train_example(model, seed=3, sampler=True)
@@ -239,7 +240,7 @@ def test_errors_name_the_field():
     model = tiny_model("qwen3", seed=0)
     example = train_example(model, seed=1)
     cfg = algo_config(*TUNIX_LIKE)
-    with pytest.raises(ValueError, match="NotATunixModel is not a tunix Qwen2, Qwen3 or"):
+    with pytest.raises(ValueError, match="NotATunixModel is not a tunix Qwen2, Qwen3, Llama3"):
         ours.fused_policy_loss(NotATunixModel(), example, cfg, PAD, EOS)
     packed = dataclasses.replace(example, segment_ids=jnp.ones_like(example.completion_ids))
     with pytest.raises(ValueError, match="train_example.segment_ids"):

@@ -2,6 +2,8 @@
 logits, and that what they read is what the model's own ``__call__`` computes: qwix LoRA
 adapters included (tunix's way of adding LoRA), every other case falling back or raising."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -25,8 +27,10 @@ def with_lora(model, example, module_path: str):
     """``model`` adapted by qwix's LoRA (rank 4) on ``module_path``, every LoRA parameter
     moved off its initial value (B starts at zero, where an adapter changes nothing)."""
     inputs = ours.model_inputs(model, example, PAD, EOS)
+    tokens = inputs.pop("input_tokens")  # by position, as tunix calls every class
     adapted = qwix.apply_lora_to_model(model, qwix.LoraProvider(
-        module_path=module_path, rank=4, alpha=2.0), **inputs, cache=None, rngs=nnx.Rngs(3))
+        module_path=module_path, rank=4, alpha=2.0), tokens, **inputs, cache=None,
+        rngs=nnx.Rngs(3))
     lora = nnx.state(adapted, nnx.LoRAParam)
     assert jax.tree.leaves(lora), f"no LoRA parameter matched {module_path!r}"
     keys = jax.random.split(jax.random.key(7), len(jax.tree.leaves(lora)))
@@ -47,7 +51,7 @@ def halved(model):
     return model
 
 
-@pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen3", False)])
+@pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen3", False), ("gemma3", True)])
 def test_lora_adapted_models_match_tunix(family, tied):
     """Adapters on the decoder layers act inside qwix's ``__call__``: both losses, loss and
     every gradient (LoRA's included), equal tunix's own on the adapted model."""
@@ -65,7 +69,7 @@ def test_lora_adapted_models_match_tunix(family, tied):
     assert not jax.tree.leaves(nnx.state(adapted, nnx.Intermediate))  # nothing left sown
 
 
-@pytest.mark.parametrize("case", ["lora-on-head", "qwix-llama3", "own-call"])
+@pytest.mark.parametrize("case", ["lora-on-head", "qwix-llama3", "own-call", "softcap"])
 def test_models_not_read_fall_back_or_raise(case):
     """A model whose logits cannot be formed from its hidden states and head weights: the
     logits-level loss calls the model (and equals tunix's), the fused loss raises why."""
@@ -77,11 +81,15 @@ def test_models_not_read_fall_back_or_raise(case):
         model = tiny_model("llama3", seed=4)
         example = train_example(model, seed=5)
         model, reason = with_lora(model, example, BODY), "inside Llama3.__call__"
-    else:
+    elif case == "own-call":
         model = tiny_model("qwen2", seed=4, tied=True)
         example = train_example(model, seed=5)
         model, reason = halved(model), "HalvedLogits has its own __call__"
-    assert reason in tunix_modules.head_blocker(model)
+    else:  # Gemma 2's final-logit soft-capping
+        model = tiny_model("gemma", seed=4, softcap=3.0)
+        example = train_example(model, seed=5)
+        reason = r"soft-capped \(final_logit_softcap=3.0\)"
+    assert re.search(reason, tunix_modules.head_blocker(model)), tunix_modules.head_blocker(model)
     cfg = algo_config(*TUNIX_LIKE)
     want = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg, jit=False)
     assert_parity(case, loss_and_grads(ours.logits_policy_loss, model, example, cfg, jit=False),

@@ -11,11 +11,25 @@ PAD, EOS = 0, 1
 VOCAB = 257  # odd: no tile of any implementation divides it
 
 
-def tiny_model(family: str, seed: int = 0, tied: bool = False, dtype=jnp.float32):
-    """A 2-layer tunix Qwen2 / Qwen3 / Llama3 with random weights."""
-    common = dict(num_layers=2, vocab_size=VOCAB, embed_dim=32, hidden_dim=64, num_heads=4,
-                  head_dim=8, num_kv_heads=2, rope_theta=10_000, norm_eps=1e-6)
+def tiny_model(family: str, seed: int = 0, tied: bool = False, dtype=jnp.float32,
+               softcap: float | None = None):
+    """A 2-layer tunix Qwen2 / Qwen3 / Llama3 / Gemma3 / Gemma with random weights (Gemma's
+    heads are always tied; ``softcap``: Gemma's ``final_logit_softcap``, as Gemma 2's)."""
+    shape = dict(num_layers=2, embed_dim=32, hidden_dim=64, num_heads=4, head_dim=8,
+                 num_kv_heads=2)
     rngs = nnx.Rngs(seed)
+    if family == "gemma3":
+        from tunix.models.gemma3 import model as m
+
+        return m.Gemma3(m.ModelConfig(**shape, num_embed=VOCAB, sliding_window_size=4,
+                                      param_dtype=jnp.float32), rngs=rngs)
+    if family == "gemma":
+        from tunix.models.gemma import model as m
+
+        return m.Gemma(m.ModelConfig(
+            **shape, num_embed=VOCAB, final_logit_softcap=softcap, use_post_attn_norm=True,
+            use_post_ffw_norm=True, attention_types=(m.AttentionType.GLOBAL,) * 2), rngs=rngs)
+    common = dict(**shape, vocab_size=VOCAB, rope_theta=10_000, norm_eps=1e-6)
     if family == "qwen3":
         from tunix.models.qwen3 import model as m
 

@@ -5,9 +5,9 @@ Importing this module registers two policy losses in tunix's registry
 ``(model, train_example, algo_config, pad_id, eos_id)``:
 
 - ``"grpo_kernels"``: the completion's logits through :func:`grpo_kernels.grpo_loss`
-  (``impl="auto"``). From a tunix Qwen2, Qwen3 or Llama3 they are formed from its hidden
-  states and head, in the model's dtype and at the completion's positions only; from any other
-  model, by its ``__call__`` (:func:`logits_policy_loss`);
+  (``impl="auto"``). From a tunix Qwen2, Qwen3, Llama3, Gemma3 or Gemma they are formed from
+  its hidden states and head, in the model's dtype and at the completion's positions only;
+  from any other model, by its ``__call__`` (:func:`logits_policy_loss`);
 - ``"grpo_kernels_fused"``: the model's final hidden states and head weights through
   :func:`grpo_kernels.grpo_loss_from_hidden`, so the actor update holds no ``[B, T, V]`` array.
 
@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.integrations.tunix_modules import (completion_hidden, completion_logits,
-                                                     head_blocker)
+from grpo_kernels.integrations.tunix_modules import (call_model, completion_hidden,
+                                                     completion_logits, head_blocker)
 from grpo_kernels.objective import log_importance_ratio, token_terms, token_weights
 from grpo_kernels.ops.lm_head_loss.api import default_impl as default_head_impl
 from grpo_kernels.ops.lm_head_loss.api import grpo_loss_from_hidden
@@ -253,7 +253,7 @@ def logits_policy_loss(model: Any, train_example: Any, algo_config: Any, pad_id:
     if logits_from == "auto" and head_blocker(model) is None:
         logits = completion_logits(model, inputs, t)
     else:
-        logits = model(**inputs, cache=None)[0][:, -t - 1:-1, :]
+        logits = call_model(model, inputs)[0][:, -t - 1:-1, :]
     loss, metrics = grpo_loss(logits, ex.ids, ex.mask, ex.advantages, config=config,
                               impl=impl, options=logits_options(impl, options),
                               **_loss_kwargs(ex))

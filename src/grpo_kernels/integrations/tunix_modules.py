@@ -1,20 +1,24 @@
 r"""tunix's model classes read below their logits: final hidden states and LM-head weights.
 
-Both registered losses (:mod:`grpo_kernels.integrations.tunix`) read a tunix Qwen2, Qwen3 or
-Llama3 this way, when they can: the fused loss to hold no ``[B, T, V]`` array at all, the
-logits-level loss to form the completion's logits itself, ``hidden[:, -T-1:-1] @ W`` in the
-model's compute dtype, where tunix's ``__call__`` forms every position's and casts them to
-float32 (:func:`completion_logits`). Both give the same numbers as the model's ``__call__``.
+Both registered losses (:mod:`grpo_kernels.integrations.tunix`) read a tunix Qwen2, Qwen3,
+Llama3, Gemma3 or Gemma this way, when they can: the fused loss to hold no ``[B, T, V]``
+array at all, the logits-level loss to form the completion's logits itself,
+``hidden[:, -T-1:-1] @ W`` in the model's compute dtype, where tunix's ``__call__`` forms every
+position's (Qwen2 and Qwen3 cast them to float32: :func:`completion_logits`). Both give the
+same numbers as the model's ``__call__``, which :func:`call_model` calls as tunix's loss does.
 
 Which way a model is read (:func:`head_blocker`):
 
-- a tunix class whose ``__call__`` is the class's own: decoder layers run here as modules
-  (:func:`hidden_states`), the embedding lookup by :func:`tied_lookup`;
-- the same class adapted by qwix (``qwix.apply_lora_to_model``, the way tunix adds LoRA): qwix
+- a tunix Qwen2, Qwen3 or Llama3 whose ``__call__`` is the class's own: decoder layers run
+  here as modules (:func:`hidden_states`), the embedding lookup by :func:`tied_lookup`;
+- a tunix Gemma3, or a Gemma without final-logit soft-capping (Gemma 2 caps them, which the
+  losses do not model): the hidden states its own ``__call__`` sows
+  (``output_hidden_states=True``; under ``jit`` the unused logits are dropped);
+- any of those adapted by qwix (``qwix.apply_lora_to_model``, the way tunix adds LoRA): qwix
   swaps the class for one whose ``__call__`` intercepts the matmuls, so the adapters act only
-  inside that call. Qwen2 and Qwen3 are run through it (``output_hidden_states=True``; under
-  ``jit`` the unused logits are dropped). Llama3's ``__call__`` has no such output, and an
-  adapter on the LM head itself cannot be seen from its weights: those models are not read;
+  inside that call, and the hidden states are the ones that call sows. Llama3's ``__call__``
+  sows none, and an adapter on the LM head itself cannot be seen from its weights: those
+  models are not read;
 - anything else (another class, or a subclass with its own ``__call__``) is not read.
 """
 
@@ -40,22 +44,36 @@ class Head(NamedTuple):
     dtype: Any
 
 
+# Families read only through their own __call__ (their layers are not run here as modules).
+BY_CALL: tuple[str, ...] = ("gemma3", "gemma")
+
+
 def _supported() -> dict[type, str]:
+    from tunix.models.gemma.model import Gemma
+    from tunix.models.gemma3.model import Gemma3
     from tunix.models.llama3.model import Llama3
     from tunix.models.qwen2.model import Qwen2
     from tunix.models.qwen3.model import Qwen3
 
-    return {Qwen2: "qwen2", Qwen3: "qwen3", Llama3: "llama3"}
+    return {Qwen2: "qwen2", Qwen3: "qwen3", Llama3: "llama3", Gemma3: "gemma3", Gemma: "gemma"}
 
 
 def model_family(model: Any) -> str:
-    """``"qwen2"``, ``"qwen3"`` or ``"llama3"``; ValueError naming any other class."""
+    """``"qwen2"``, ``"qwen3"``, ``"llama3"``, ``"gemma3"`` or ``"gemma"``; ValueError naming
+    any other class."""
     for cls, family in _supported().items():
         if isinstance(model, cls):
             return family
     names = ", ".join(cls.__name__ for cls in _supported())
-    raise ValueError(f"grpo_kernels_fused needs the hidden states of a tunix {names} model; "
-                     f"got {type(model).__name__} (use policy_loss_fn='grpo_kernels' for it)")
+    raise ValueError(f"{type(model).__name__} is not a tunix {names}")
+
+
+def call_model(model: Any, inputs: dict[str, Any], **extra: Any) -> tuple[Array, Any]:
+    """``model(tokens, positions=..., attention_mask=..., cache=None, ...)``: tunix's own call
+    (``common.compute_per_token_logps``), tokens by position, since the classes name that
+    argument differently (``input_tokens``, Gemma3's ``last_tokens``)."""
+    kwargs = {k: v for k, v in inputs.items() if k != "input_tokens"}
+    return model(inputs["input_tokens"], **kwargs, cache=None, **extra)
 
 
 def qwix_adapted(model: Any) -> bool:
@@ -64,6 +82,8 @@ def qwix_adapted(model: Any) -> bool:
 
 
 def _tied(model: Any, family: str) -> bool:
+    if family in BY_CALL:
+        return True  # tunix's Gemma and Gemma3 decode with the input embedding
     return model.config.weight_tying if family == "llama3" else model.config.use_tied_embedding
 
 
@@ -81,14 +101,17 @@ def head_blocker(model: Any) -> str | None:
     """Why ``model`` cannot be read below its logits (None: it can), in words."""
     try:
         family = model_family(model)
-    except ValueError:
-        return f"{type(model).__name__} is not a tunix Qwen2, Qwen3 or Llama3"
+    except ValueError as e:
+        return str(e)
     cls = next(c for c, f in _supported().items() if f == family)
     base = type(model)._unquantized_type if qwix_adapted(model) else type(model)
     if base.__call__ is not cls.__call__:
         return f"{base.__name__} has its own __call__"
     if qwix_adapted(model) and family == "llama3":
         return "qwix adapters act inside Llama3.__call__, which returns no hidden states"
+    cap = getattr(model, "final_logits_softcap", None) if family == "gemma" else None
+    if cap is not None:
+        return f"its logits are soft-capped (final_logit_softcap={cap})"
     adapters = head_adapters(model)
     if adapters:
         return f"its LM head carries qwix LoRA parameters ({', '.join(adapters)})"
@@ -109,21 +132,21 @@ def embed(model: Any, tokens: Array) -> tuple[Array, Array]:
 
 
 def _hidden_by_call(model: Any, inputs: dict[str, Any]) -> Array:
-    """The final hidden states a Qwen2/Qwen3 ``__call__`` sows (``all_hidden_states``),
-    popped so that no intermediate stays on the model."""
+    """The final hidden states a Qwen2/Qwen3/Gemma3/Gemma ``__call__`` sows
+    (``all_hidden_states``), popped so that no intermediate stays on the model."""
     from flax import nnx
 
-    model(**inputs, cache=None, output_hidden_states=True)
+    call_model(model, inputs, output_hidden_states=True)
     return nnx.pop(model, nnx.Intermediate)["all_hidden_states"].value[-1]
 
 
 def hidden_states(model: Any, inputs: dict[str, Any]) -> tuple[Array, Array]:
     """``([B, L, D]`` after the final norm, the embedding table for :func:`lm_head`): the
     model's ``__call__`` up to its head, with the same modules and arguments (tunix 0.1.7's
-    Qwen2, Qwen3 and Llama3; the lookup by :func:`embed`). A qwix-adapted model runs its own
-    ``__call__``, where its adapters act (module docstring)."""
+    Qwen2, Qwen3 and Llama3; the lookup by :func:`embed`). Gemma3, Gemma and a qwix-adapted
+    model run their own ``__call__`` (module docstring)."""
     family = model_family(model)
-    if qwix_adapted(model):
+    if qwix_adapted(model) or family in BY_CALL:
         return _hidden_by_call(model, inputs), model.embedder.input_embedding.value
     tokens, positions = inputs["input_tokens"], inputs["positions"]
     attn, seg = inputs["attention_mask"], inputs.get("segment_ids")
@@ -149,12 +172,14 @@ def lm_head(model: Any, hidden: Array, table: Array) -> Head:
     """The head weights in the dtype the model multiplies them in, and the logits' dtype:
     ``table`` (the embedding from :func:`hidden_states`) when the head is tied.
 
-    Qwen2/Qwen3 cast both operands to ``config.dtype``; Llama3 multiplies as stored.
+    Qwen2/Qwen3 cast both operands to ``config.dtype``; Llama3, Gemma3 and Gemma multiply
+    as stored.
     """
     family = model_family(model)
     w = table if _tied(model, family) else model.lm_head.w.value
     layout = "vh" if _tied(model, family) else "hv"
-    dtype = jnp.result_type(hidden.dtype, w.dtype) if family == "llama3" else model.config.dtype
+    stored = family in ("llama3", *BY_CALL)
+    dtype = jnp.result_type(hidden.dtype, w.dtype) if stored else model.config.dtype
     return Head(w.astype(dtype), layout, jnp.dtype(dtype))
 
 
@@ -169,7 +194,7 @@ def completion_hidden(model: Any, inputs: dict[str, Any], t: int) -> tuple[Array
 
 def completion_logits(model: Any, inputs: dict[str, Any], t: int) -> Array:
     """``[B, t, V]`` logits of the last ``t`` tokens in the model's logits dtype: the values
-    of ``model(...)[0][:, -t-1:-1]`` before tunix's float32 cast (Qwen2, Qwen3), which is
+    of ``call_model(...)[0][:, -t-1:-1]`` before tunix's float32 cast (Qwen2, Qwen3), which is
     exact, so a loss that reads them in float32 sees the same numbers. The gradient comes back
     in that dtype, as through the cast's transpose."""
     hidden, head = completion_hidden(model, inputs, t)
