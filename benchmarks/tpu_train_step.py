@@ -107,15 +107,17 @@ def step(arm: str, entry: dict | None, device, cfg, rows: int, prompt: int, comp
     return jax.jit(grad_fn), (state, mb, s((), F32), s((), F32))
 
 
-def shape_parser(doc: str, arms: tuple[str, ...]) -> argparse.ArgumentParser:
-    """The arguments this script shares with ``tpu_tunix_step.py``: the model shape, the arms,
-    the generations, the batch, libtpu and the output file; ``doc``: the script's docstring
-    (its first paragraph the description, from its third on the epilog)."""
+def shape_parser(doc: str, arms: tuple[str, ...], models: list[str] | None = None
+                 ) -> argparse.ArgumentParser:
+    """The arguments this script shares with ``tpu_tunix_step.py``: the model shape (one of
+    ``models``, default :data:`MODELS`), the arms, the generations, the batch, libtpu and the
+    output file; ``doc``: the script's docstring (its first paragraph the description, from
+    its third on the epilog)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=doc.split("\n\n", 2)[2])
-    p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b",
-                   help="the Qwen2.5 shape (default: qwen2.5-1.5b)")
+    p.add_argument("--model", choices=models or sorted(MODELS), default="qwen2.5-1.5b",
+                   help="the model's shape (default: qwen2.5-1.5b)")
     p.add_argument("--layers", type=int, default=1,
                    help="decoder layers kept, the first N (default: 1)")
     p.add_argument("--arms", type=tpu_aot._list(arms), default=list(arms),
@@ -132,13 +134,14 @@ def shape_parser(doc: str, arms: tuple[str, ...]) -> argparse.ArgumentParser:
     return p
 
 
-def check_shape(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Exits through ``p.error`` on a batch size below 1 or a layer count the model lacks."""
+def check_shape(p: argparse.ArgumentParser, args: argparse.Namespace, config=None) -> None:
+    """Exits through ``p.error`` on a batch size below 1 or a layer count the model lacks
+    (``config(model, layers)`` raises ValueError; default :func:`model_config`)."""
     for name in ("rows", "prompt", "completion"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     try:
-        model_config(args.model, args.layers)
+        (config or model_config)(args.model, args.layers)
     except ValueError as e:
         p.error(str(e))
 

@@ -1,13 +1,14 @@
-"""One tunix update with our logits-level loss, compiled for a TPU with no TPU: each arm's plan.
+"""One tunix update with each of our losses, compiled for a TPU with no TPU: each arm's plan.
 
     python3 benchmarks/tpu_tunix_step.py                     # Qwen2.5-1.5B shapes, v6e
     python3 benchmarks/tpu_tunix_step.py --model qwen2.5-0.5b --rows 1 --completion 512
+    python3 benchmarks/tpu_tunix_step.py --model gemma3-1b        # tunix's Gemma3 preset
 
-The program is ``jit(value_and_grad)`` of a tunix policy loss with respect to a tunix Qwen2's
-parameters (the first ``--layers`` layers of a Qwen2.5 shape with its whole vocabulary, bf16
-parameters and compute, abstract: ``nnx.eval_shape``), on a ``TrainExample`` of ``--rows``
-rows of ``--prompt`` prompt and ``--completion`` completion tokens (beta 0.04, token-mean,
-low_var_kl). Arms:
+The program is ``jit(value_and_grad)`` of a tunix policy loss with respect to a tunix model's
+parameters (a Qwen2 of a Qwen2.5 shape, or tunix's own Gemma3 preset: its first ``--layers``
+layers with the whole vocabulary, bf16 parameters and compute, abstract: ``nnx.eval_shape``),
+on a ``TrainExample`` of ``--rows`` rows of ``--prompt`` prompt and ``--completion``
+completion tokens (beta 0.04, token-mean, low_var_kl). Arms:
 
 - ``tunix``: tunix's own ``grpo_loss_fn``;
 - ``xla``: our ``grpo_kernels`` loss (``integrations.tunix.logits_policy_loss``), impl xla,
@@ -42,14 +43,39 @@ import tpu_train_step
 
 ARMS = ("tunix", "xla", "pallas", "pallas-unaliased", "pallas-model", "fused-xla",
         "fused-pallas")
+# --model names of tunix's Gemma3 presets (bf16 parameters, vocabulary 262,144).
+GEMMA3 = {"gemma3-1b": "gemma3_1b_pt", "gemma3-4b": "gemma3_4b_pt"}
 PAD, EOS = 0, 1
 
 
+def gemma3_config(name: str, layers: int):
+    """tunix's own Gemma3 preset ``name`` (:data:`GEMMA3`), its first ``layers`` layers."""
+    from tunix.models.gemma3 import model as gemma3
+
+    c = getattr(gemma3.ModelConfig, GEMMA3[name])()
+    if not 1 <= layers <= c.num_layers:
+        raise ValueError(f"--layers must be in [1, {c.num_layers}] for {name}, got {layers}")
+    return dataclasses.replace(c, num_layers=layers)
+
+
+def model_config(name: str, layers: int):
+    """The config of ``name``'s first ``layers`` layers: a Qwen2.5 shape or a Gemma3 preset."""
+    if name in GEMMA3:
+        return gemma3_config(name, layers)
+    return tpu_train_step.model_config(name, layers)
+
+
 def tunix_model(name: str, layers: int):
-    """An abstract tunix Qwen2 of the Qwen2.5 shape ``name``, its first ``layers`` layers."""
+    """An abstract tunix model of the shape ``name``, its first ``layers`` layers (a Qwen2 of
+    the Qwen2.5 shape, or tunix's Gemma3 preset), and its vocabulary."""
     from flax import nnx
     from tunix.models.qwen2 import model as qwen2
 
+    if name in GEMMA3:
+        from tunix.models.gemma3 import model as gemma3
+
+        c = gemma3_config(name, layers)
+        return nnx.eval_shape(lambda: gemma3.Gemma3(c, rngs=nnx.Rngs(0))), c.num_embed
     c = tpu_train_step.model_config(name, layers)
     config = qwen2.ModelConfig(
         num_layers=layers, vocab_size=c.vocab_size, embed_dim=c.hidden_size,
@@ -57,7 +83,7 @@ def tunix_model(name: str, layers: int):
         num_kv_heads=c.num_kv_heads, rope_theta=1_000_000, norm_eps=1e-6,
         use_tied_embedding=c.tie_word_embeddings, dtype=jnp.bfloat16,
         param_dtype=jnp.bfloat16)
-    return nnx.eval_shape(lambda: qwen2.Qwen2(config, rngs=nnx.Rngs(0))), c
+    return nnx.eval_shape(lambda: qwen2.Qwen2(config, rngs=nnx.Rngs(0))), c.vocab_size
 
 
 def loss_fn(arm: str, generation: str):
@@ -114,14 +140,14 @@ def step(arm: str, generation: str, device, model, rows: int, prompt: int, compl
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = tpu_train_step.shape_parser(__doc__, ARMS)
+    p = tpu_train_step.shape_parser(__doc__, ARMS, [*sorted(tpu_train_step.MODELS), *GEMMA3])
     args = p.parse_args(argv)
-    tpu_train_step.check_shape(p, args)
+    tpu_train_step.check_shape(p, args, model_config)
     return args
 
 
 def rows(args: argparse.Namespace, dump):
-    model, cfg = tunix_model(args.model, args.layers)
+    model, vocab = tunix_model(args.model, args.layers)
     n = args.rows * args.completion
     for gen, arm in itertools.product(args.generations, args.arms):
         topo, devices = tpu_aot.topology(gen)
@@ -129,9 +155,9 @@ def rows(args: argparse.Namespace, dump):
         row = {"op": "tunix-step", "arm": arm, "generation": gen, "topology": topo,
                "model": args.model, "layers": args.layers, "rows": args.rows,
                "prompt": args.prompt, "completion": args.completion,
-               "vocab": cfg.vocab_size, "logits_bf16_bytes": n * cfg.vocab_size * 2}
+               "vocab": vocab, "logits_bf16_bytes": n * vocab * 2}
         row.update(tpu_aot.compile_case(fn, a, {"logits": [
-            (args.rows, args.completion, cfg.vocab_size), (n, cfg.vocab_size)]}))
+            (args.rows, args.completion, vocab), (n, vocab)]}))
         row["buffer_total_bytes"] = tpu_train_step.buffer_total(dump)
         yield row
 

@@ -36,6 +36,7 @@ def test_logits_formed_from_the_head_save_two_logits_sized_buffers():
 
 @pytest.mark.parametrize("argv, message", [
     (("--layers", "25"), "--layers must be in [1, 24] for qwen2.5-0.5b"),
+    (("--model", "gemma3-1b", "--layers", "27"), "--layers must be in [1, 26] for gemma3-1b"),
     (("--arms", "fused"), "fused"),
     (("--completion", "0"), "--completion must be at least 1"),
 ])
