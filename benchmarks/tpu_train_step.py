@@ -57,11 +57,16 @@ ARMS = tuple(f"{h}-{i}" for h in ("logits", "fused") for i in tpu_aot.IMPLS)
 F32 = jnp.float32
 
 
+def check_layers(name: str, layers: int, total: int) -> None:
+    """ValueError, worded for ``--layers``, unless ``1 <= layers <= total`` (``name``'s)."""
+    if not 1 <= layers <= total:
+        raise ValueError(f"--layers must be in [1, {total}] for {name}, got {layers}")
+
+
 def model_config(name: str, layers: int):
     from grpo_kernels.models.config import ModelConfig
     hidden, inter, total, heads, kv, head_dim, vocab, tied = MODELS[name]
-    if not 1 <= layers <= total:
-        raise ValueError(f"--layers must be in [1, {total}] for {name}, got {layers}")
+    check_layers(name, layers, total)
     return ModelConfig(family="qwen2", vocab_size=vocab, hidden_size=hidden,
                        intermediate_size=inter, num_layers=layers, num_heads=heads,
                        num_kv_heads=kv, head_dim=head_dim, attention_bias=True,

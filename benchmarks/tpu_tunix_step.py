@@ -53,8 +53,7 @@ def gemma3_config(name: str, layers: int):
     from tunix.models.gemma3 import model as gemma3
 
     c = getattr(gemma3.ModelConfig, GEMMA3[name])()
-    if not 1 <= layers <= c.num_layers:
-        raise ValueError(f"--layers must be in [1, {c.num_layers}] for {name}, got {layers}")
+    tpu_train_step.check_layers(name, layers, c.num_layers)
     return dataclasses.replace(c, num_layers=layers)
 
 
@@ -69,14 +68,14 @@ def tunix_model(name: str, layers: int):
     """An abstract tunix model of the shape ``name``, its first ``layers`` layers (a Qwen2 of
     the Qwen2.5 shape, or tunix's Gemma3 preset), and its vocabulary."""
     from flax import nnx
-    from tunix.models.qwen2 import model as qwen2
 
+    c = model_config(name, layers)
     if name in GEMMA3:
         from tunix.models.gemma3 import model as gemma3
 
-        c = gemma3_config(name, layers)
         return nnx.eval_shape(lambda: gemma3.Gemma3(c, rngs=nnx.Rngs(0))), c.num_embed
-    c = tpu_train_step.model_config(name, layers)
+    from tunix.models.qwen2 import model as qwen2
+
     config = qwen2.ModelConfig(
         num_layers=layers, vocab_size=c.vocab_size, embed_dim=c.hidden_size,
         hidden_dim=c.intermediate_size, num_heads=c.num_heads, head_dim=c.head_dim,

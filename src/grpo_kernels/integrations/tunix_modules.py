@@ -58,14 +58,20 @@ def _supported() -> dict[type, str]:
     return {Qwen2: "qwen2", Qwen3: "qwen3", Llama3: "llama3", Gemma3: "gemma3", Gemma: "gemma"}
 
 
+def _supported_class(model: Any) -> tuple[type, str]:
+    """The tunix class ``model`` is an instance of, and its family; ValueError naming any
+    other class."""
+    for cls, family in _supported().items():
+        if isinstance(model, cls):
+            return cls, family
+    names = ", ".join(cls.__name__ for cls in _supported())
+    raise ValueError(f"{type(model).__name__} is not a tunix {names}")
+
+
 def model_family(model: Any) -> str:
     """``"qwen2"``, ``"qwen3"``, ``"llama3"``, ``"gemma3"`` or ``"gemma"``; ValueError naming
     any other class."""
-    for cls, family in _supported().items():
-        if isinstance(model, cls):
-            return family
-    names = ", ".join(cls.__name__ for cls in _supported())
-    raise ValueError(f"{type(model).__name__} is not a tunix {names}")
+    return _supported_class(model)[1]
 
 
 def call_model(model: Any, inputs: dict[str, Any], **extra: Any) -> tuple[Array, Any]:
@@ -100,10 +106,9 @@ def head_adapters(model: Any) -> list[str]:
 def head_blocker(model: Any) -> str | None:
     """Why ``model`` cannot be read below its logits (None: it can), in words."""
     try:
-        family = model_family(model)
+        cls, family = _supported_class(model)
     except ValueError as e:
         return str(e)
-    cls = next(c for c, f in _supported().items() if f == family)
     base = type(model)._unquantized_type if qwix_adapted(model) else type(model)
     if base.__call__ is not cls.__call__:
         return f"{base.__name__} has its own __call__"
@@ -176,8 +181,8 @@ def lm_head(model: Any, hidden: Array, table: Array) -> Head:
     as stored.
     """
     family = model_family(model)
-    w = table if _tied(model, family) else model.lm_head.w.value
-    layout = "vh" if _tied(model, family) else "hv"
+    tied = _tied(model, family)
+    w, layout = (table, "vh") if tied else (model.lm_head.w.value, "hv")
     stored = family in ("llama3", *BY_CALL)
     dtype = jnp.result_type(hidden.dtype, w.dtype) if stored else model.config.dtype
     return Head(w.astype(dtype), layout, jnp.dtype(dtype))
