@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args(argv)
+    if jax.default_backend() != "gpu":  # before torch's import, the slow part of a skip
+        print(f"liger_gpu_peer: skipped: needs a CUDA GPU for both torch and JAX (JAX's "
+              f"backend is {jax.default_backend()})", file=sys.stderr)
+        return 3
     try:
         import torch
         if args.op == "logits":
@@ -67,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         print(f"liger_gpu_peer: skipped: needs torch and liger-kernel ({e})", file=sys.stderr)
         return 3
-    if not torch.cuda.is_available() or jax.default_backend() != "gpu":
-        print("liger_gpu_peer: skipped: needs a CUDA GPU for both torch and JAX", file=sys.stderr)
+    if not torch.cuda.is_available():
+        print("liger_gpu_peer: skipped: needs a CUDA GPU for both torch and JAX (torch sees "
+              "none)", file=sys.stderr)
         return 3
 
     b, t, v = args.batch, args.time, args.vocab

@@ -1,11 +1,13 @@
-"""decoder.linear: the float32-accumulating projection and its hand-written gradient."""
+"""decoder.linear: the float32-accumulating projection and its hand-written gradient; the
+loaders' empty decoder and its check that every weight was set."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_kernels.models.decoder import linear
+from grpo_kernels.models.config import ModelConfig
+from grpo_kernels.models.decoder import check_loaded, empty_decoder, linear
 from tests.helpers import rel_err
 
 
@@ -53,3 +55,25 @@ def test_bf16_compute_rounds_once_and_keeps_f32_weight_gradients():
     # float32 accumulation of exact bf16 products: far tighter than one bf16 rounding
     assert rel_err(dw, want_dw) <= 1e-6
     assert np.all(np.isfinite(np.asarray(dw)))
+
+
+def test_a_weight_left_unset_by_a_loader_is_named():
+    """empty_decoder allocates nothing; check_loaded names what a loader did not set."""
+    from flax import nnx
+
+    config = ModelConfig(family="qwen2", vocab_size=61, hidden_size=32, intermediate_size=48,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                         tie_word_embeddings=False)
+    model = empty_decoder(config)
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert params and all(isinstance(p, jax.ShapeDtypeStruct) for p in params)
+    rng = np.random.default_rng(0)
+    for _, param in nnx.iter_graph(model):
+        if isinstance(param, nnx.Param) and param is not model.lm_head:
+            param.set_value(jnp.asarray(rng.normal(size=param.shape), param.dtype))
+    with pytest.raises(ValueError, match=r"ckpt: no value loaded for 1 weight\(s\): .*lm_head"):
+        check_loaded(model, "ckpt")
+    model.lm_head.set_value(jnp.asarray(rng.normal(size=model.lm_head.shape), jnp.float32))
+    assert check_loaded(model, "ckpt") is model
+    ids = jnp.asarray(rng.integers(0, 61, (2, 5)), jnp.int32)
+    assert np.isfinite(np.asarray(model(ids))).all()

@@ -15,10 +15,9 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from grpo_kernels.models.config import ModelConfig
-from grpo_kernels.models.decoder import Decoder
+from grpo_kernels.models.decoder import Decoder, check_loaded, empty_decoder
 
 _LAYER = {"attn_q": ("attn", "q", True), "attn_k": ("attn", "k", True),
           "attn_v": ("attn", "v", True), "attn_output": ("attn", "o", True),
@@ -116,7 +115,7 @@ def load_gguf(path: str, *, param_dtype: Any = jnp.float32, compute_dtype: Any =
     def put(param: Any, x: np.ndarray) -> None:
         param.set_value(jnp.asarray(x, c.param_dtype))
 
-    model = Decoder(config, nnx.Rngs(0), remat=remat)
+    model = empty_decoder(config, remat)
     put(model.embed, get("token_embd.weight", (c.vocab_size, c.hidden_size)))
     put(model.norm.weight, get("output_norm.weight", (c.hidden_size,)))
     if not c.tie_word_embeddings:
@@ -133,7 +132,7 @@ def load_gguf(path: str, *, param_dtype: Any = jnp.float32, compute_dtype: Any =
                 put(getattr(getattr(layer, mod), attr), get(f"blk.{i}.{short}", (size,)))
         for short, attr in _LAYER_NORM.items():
             put(getattr(layer, attr).weight, get(f"blk.{i}.{short}.weight", (c.hidden_size,)))
-    return config, model
+    return config, check_loaded(model, path)
 
 
 def tokenizer_from_gguf(path: str) -> Any:

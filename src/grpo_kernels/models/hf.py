@@ -13,10 +13,9 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from grpo_kernels.models.config import ModelConfig
-from grpo_kernels.models.decoder import Decoder
+from grpo_kernels.models.decoder import Decoder, check_loaded, empty_decoder
 
 _LINEAR = {"self_attn.q_proj": ("attn", "q"), "self_attn.k_proj": ("attn", "k"),
            "self_attn.v_proj": ("attn", "v"), "self_attn.o_proj": ("attn", "o"),
@@ -125,11 +124,11 @@ def load_hf_checkpoint(path: str, *, param_dtype: Any = jnp.float32,
                          f"{' ...' if len(missing) > 5 else ''} for {config.family} with "
                          f"{config.num_layers} layers")
     tensors = read_tensors({k: files[k] for k in want})
-    model = Decoder(config, nnx.Rngs(0), remat=remat)
+    model = empty_decoder(config, remat)
     for name, (shape, put) in want.items():
         got = tuple(np.shape(tensors[name]))
         if got != shape:
             raise ValueError(f"{files[name]}: tensor {name!r} has shape {got}, config.json "
                              f"implies {shape}")
         put(model, tensors.pop(name))
-    return config, model
+    return config, check_loaded(model, path)
