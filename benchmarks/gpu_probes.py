@@ -100,7 +100,7 @@ def head() -> None:
     whole = X.dweight_rows
     for dw, chunks in (("whole", (None, 2048, 4096, 8192)), ("cpu_blocks", (None,))):
         X.dweight_rows = whole if dw == "whole" else (
-            lambda h, v, backend=None: whole(h, v, "cpu"))
+            lambda h, v, kind: whole(h, v, "cpu"))
         for chunk in chunks:
             def loss(h, w, chunk=chunk):
                 return grpo_loss_from_hidden(

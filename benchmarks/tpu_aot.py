@@ -21,8 +21,8 @@ bytes its collectives carry. Nothing runs: no times come from here.
 smallest topology of the generation that has enough (``v5e:2x4``, 8 chips, is a two-host
 slice, so its program is the one each of the two hosts compiles); ``tp`` splits the
 vocabulary, the other axes the batch. ``--impl`` compiles several implementations of the
-same step to compare their plans; xla gets its TPU chunk budget explicitly, since the host's
-own backend here is the CPU.
+same step to compare their plans; xla, with its default options, plans its chunks for the TPU
+it is lowered for (not for this host's CPU).
 
 ``--logits-layout``: the logits of the logits-level step arrive as a jit argument, and a TPU
 gives an argument its own default layout, which for a vocabulary that is not a multiple of 128
@@ -121,18 +121,15 @@ def _spec(shape, dtype, sharding):
 def option_fields(op: str, impl: str, generation: str, match_tpu_layout: bool = True
                   ) -> dict | None:
     """The option fields (a ``loss.kernel`` entry) of an implementation in a TPU compile
-    traced on this CPU host, whose own backend would pick interpreted kernels and the CPU's
-    xla chunk budget: compiled kernels sized for ``generation``; xla's TPU budget."""
+    traced on this CPU host, whose own backend would pick interpreted kernels: compiled
+    kernels sized for ``generation``. None for xla, which plans its chunks for the platform
+    it is lowered for by itself (``ops.core.platform.by_platform``): its defaults are a TPU
+    run's."""
     if impl == "pallas":
         if op == "logits":
             return {"interpret": False, "tpu_generation": generation, "kernel": "tpu"}
         return {"interpret": False, "tpu_generation": generation,
                 **({} if match_tpu_layout else {"match_tpu_layout": False})}
-    if impl == "xla":
-        from grpo_kernels.ops.lm_head_loss import xla as head_xla
-        from grpo_kernels.ops.logits_loss import xla as logits_xla
-        return {"chunk_bytes": (logits_xla if op == "logits" else head_xla)
-                .DEFAULT_CHUNK_BYTES["tpu"]}
     return None
 
 

@@ -10,7 +10,8 @@ train`` compiles it: the decoder's forward and backward over ``--rows`` rows of 
 prompt and ``--completion`` completion tokens, then the loss of each arm (``<head>-<impl>``,
 as ``loss.head`` and ``loss.impl`` name it) with the options a TPU run's ``loss.kernel`` would
 hand it (``rl.kernel.resolve``, the trainer's defaults included): compiled kernels sized for
-the generation for pallas, xla's TPU chunk budget. The model is abstract (``nnx.eval_shape``):
+the generation for pallas; xla's defaults, which plan for the TPU the program is lowered for.
+The model is abstract (``models.decoder.empty_decoder``):
 the first ``--layers`` layers of a Qwen2.5 shape with its whole vocabulary and head, so the
 loss's share of the plan is the real one and the layers' share is ``--layers`` of the
 model's.
@@ -90,10 +91,10 @@ def step(arm: str, entry: dict | None, device, cfg, rows: int, prompt: int, comp
     ``logits_dtype``."""
     from flax import nnx
 
-    from grpo_kernels.models.decoder import Decoder
+    from grpo_kernels.models.decoder import empty_decoder
     from grpo_kernels.rl.policy import make_programs
     sh = SingleDeviceSharding(device)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
+    graphdef, state = nnx.split(empty_decoder(cfg))
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state)
     from grpo_kernels.rl.kernel import resolve
     head, impl = arm.split("-", 1)

@@ -12,7 +12,7 @@ completion tokens (beta 0.04, token-mean, low_var_kl). Arms:
 
 - ``tunix``: tunix's own ``grpo_loss_fn``;
 - ``xla``: our ``grpo_kernels`` loss (``integrations.tunix.logits_policy_loss``), impl xla,
-  with xla's TPU chunk budget; its logits formed from the model's hidden states and head
+  planned for the TPU it is lowered for; its logits formed from the model's hidden states and head
   (``logits_from="auto"``: bf16, the completion's positions only);
 - ``pallas``: the same, impl pallas, with the options the adapter picks when given none
   (``logits_options``: ``alias_logits=True``), compiled kernels sized for the generation;
@@ -100,7 +100,8 @@ def loss_fn(arm: str, generation: str):
     if given is None:
         options = tpu_aot._options(op, impl, generation)
     else:  # the adapter's own default, made a TPU compile's
-        options = dataclasses.replace(given, **tpu_aot.option_fields(op, impl, generation))
+        options = dataclasses.replace(given, **(tpu_aot.option_fields(op, impl, generation)
+                                                or {}))
     if arm == "pallas-unaliased":
         options = dataclasses.replace(options, alias_logits=False)
     if fused:

@@ -170,3 +170,15 @@ def rel_err(a, b) -> float:
     err = np.max(np.abs(a - b))
     assert np.isfinite(err), "non-finite values"
     return float(err / scale) if scale > 0 else float(err)
+
+
+def take_plan_of(monkeypatch, module: Any, kind: str) -> None:
+    """Has ``module``'s :func:`~grpo_kernels.ops.core.platform.by_platform` run ``kind``'s
+    branch on this host: the code a lowering for a ``kind`` platform keeps, its numerics
+    checked here."""
+    monkeypatch.setattr(module, "by_platform", lambda fn, plan, *args: fn(plan(kind), *args))
+
+
+def lowered_text(fn: Callable, *args: Any, platform: str) -> str:
+    """The StableHLO of ``jit(fn)(*args)`` lowered for ``platform`` (no device needed)."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()

@@ -13,11 +13,12 @@ from grpo_kernels import (GRPOLossConfig, LmHeadBlockSizes, LmHeadPallasBlockSiz
                           grpo_loss_from_hidden)
 from grpo_kernels.config import CLASSIC_LOSS_TYPES
 from grpo_kernels.ops.lm_head_loss import pallas_options, pallas_tpu
+from grpo_kernels.ops.lm_head_loss import xla as head_xla
 from grpo_kernels.ops.lm_head_loss import xla_sweep
 from grpo_kernels.ops.lm_head_loss.head import delta_dtype
 from grpo_kernels.ops.lm_head_loss.xla import plan_chunk, plan_vocab_block
-from tests.helpers import (as64, cached_reference, family_grid, family_id, option_grid,
-                           option_id, rel_err)
+from tests.helpers import (as64, cached_reference, family_grid, family_id, lowered_text,
+                           option_grid, option_id, rel_err, take_plan_of)
 from tests.oracle import oracle
 
 B, T, H, V = 2, 13, 256, 1000
@@ -185,8 +186,8 @@ def test_pallas_kernels_take_w_as_a_tpu_stores_it(monkeypatch, layout, match):
 def test_dweight_blocks_with_a_tail(monkeypatch, layout):
     """dW goes over blocks of its rows into an [H, V] accumulator (transposed once for "vh"):
     H = 256 in two full blocks of 104 rows and a tail of 48, with chunked rows and a bias."""
-    monkeypatch.setattr(xla_sweep, "DWEIGHT_ELEMENTS", 104 * V + 7)
-    assert xla_sweep.dweight_rows(H, V) == 104
+    monkeypatch.setattr(head_xla, "DWEIGHT_ELEMENTS", 104 * V + 7)
+    assert head_xla.dweight_rows(H, V, "cpu") == 104
     cfg = GRPOLossConfig(beta=0.04)
     assert_close("xla", make_inputs(11, layout=layout, bias=True), cfg, layout)
 
@@ -415,6 +416,9 @@ def test_chunk_stats_blocks_match_whole_rows(block):
 
 
 def test_plan_chunk():
+    assert [head_xla.dweight_rows(4096, 151_936, k) for k in ("cpu", "gpu", "tpu")] == [
+        24, 4096, 512]
+    assert head_xla.dweight_rows(256, 151_936, "tpu") == 256
     assert plan_chunk(4096, 32768, LmHeadBlockSizes(), "cpu") == 256
     assert plan_chunk(100, 32768, LmHeadBlockSizes(chunk_tokens=300), "cpu") == 100
     assert plan_chunk(10**6, 10**7, LmHeadBlockSizes(), "cpu") == 8
@@ -525,3 +529,39 @@ def test_tpu_kernels_lower_at_the_real_shape(layout):
     dh, dw = exported.out_avals[-2:]
     assert dh.shape == (b, t, h) and dh.dtype == jnp.bfloat16
     assert dw.shape == w_shape and dw.dtype == jnp.bfloat16
+
+
+def test_xla_lowered_for_an_accelerator_keeps_none_of_the_cpu_workarounds():
+    """Lowered for a TPU or GPU, the fused head has none of the CPU's plan: bfloat16 casts by
+    integer arithmetic, statistics over 4096-column blocks, dW in row blocks (loops). The
+    choice follows the lowering platform, not the tracing host (a TPU compile on a CPU host
+    planned the CPU's program before)."""
+    cfg = GRPOLossConfig(beta=0.04)
+    hidden, w, ids, mask, adv, extra, _ = make_inputs(33, t=16, v=8192 + 5, dtype=jnp.bfloat16)
+
+    def grads(hh, ww):
+        return jax.grad(lambda hh, ww: grpo_loss_from_hidden(
+            hh, ww, ids, mask, adv, config=cfg, impl="xla", **extra)[0], argnums=(0, 1))(hh, ww)
+
+    text = {p: lowered_text(grads, hidden, w, platform=p) for p in ("cpu", "tpu", "cuda")}
+    assert "shift_right" in text["cpu"]
+    for platform in ("tpu", "cuda"):
+        assert "shift_right" not in text[platform], platform
+        assert text[platform].count("stablehlo.while") < text["cpu"].count("stablehlo.while")
+
+
+@pytest.mark.parametrize("kind,dtype,dweight", [("tpu", jnp.float32, "tokens"),
+                                                ("gpu", jnp.bfloat16, "vocab")])
+def test_xla_accelerator_plan_matches_reference(monkeypatch, kind, dtype, dweight):
+    """The branch a GPU or TPU lowering keeps (whole-row statistics, dW in blocks of TPU rows
+    or all of its rows per update on GPU, a plain bfloat16 cast), run on this CPU, at both
+    sequence and token level."""
+    take_plan_of(monkeypatch, head_xla, kind)
+    monkeypatch.setattr(head_xla, "TPU_DWEIGHT_ROWS", 96)  # H = 256: 96 + 96 + a tail of 64
+    assert head_xla.dweight_rows(H, V, kind) == (96 if kind == "tpu" else H)
+    opts = LmHeadBlockSizes(chunk_tokens=8, dweight=dweight)
+    tol = 1e-5 if dtype == jnp.float32 else 2.0 ** -6
+    for level in ("token", "sequence"):
+        cfg = GRPOLossConfig(beta=0.04, importance_sampling_level=level, temperature=0.8)
+        inputs = make_inputs(34, dtype=dtype, scale=1.0)
+        assert_close("xla", inputs, cfg, tol=tol, options=opts)

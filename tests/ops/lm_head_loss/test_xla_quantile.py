@@ -32,7 +32,7 @@ def fixed_and_selected(inputs, cfg) -> tuple[int, int]:
     hidden, w, ids, mask, adv, extra, _ = inputs
     batch = TokenBatch.of(ids, mask, adv, **extra)
     h = hidden.reshape(-1, hidden.shape[-1])
-    head = Head(w, None, "hv", w.dtype)
+    head = Head(w, None, "hv", w.dtype, cpu=jax.default_backend() == "cpu")
     flat_ids = batch.clamped_ids(head.vocab).reshape(-1)
     quantile = xla_quantile.QuantilePass.estimate(h, flat_ids, head, cfg.temperature, 8, batch,
                                                   cfg)

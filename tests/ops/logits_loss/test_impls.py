@@ -14,8 +14,8 @@ from grpo_kernels.ops.logits_loss.inputs import random_inputs
 from grpo_kernels.ops.core.reference import token_logp_and_entropy
 from tests.oracle import oracle
 from tests.helpers import (as64, family_grid, family_id, grid_id, loss_grid_split,
-                           option_grid, option_id, reference_value_and_grad, rel_err,
-                           value_and_grad)
+                           lowered_text, option_grid, option_id, reference_value_and_grad,
+                           rel_err, take_plan_of, value_and_grad)
 
 FAST = [i for i in IMPLEMENTATIONS if i != "reference"]
 B, T, V = 3, 13, 301
@@ -254,8 +254,41 @@ def test_xla_shift_shortcut_falls_back_when_the_row_max_is_past_the_probe(dtype)
     assert 150.0 - head_max > np.log(np.finfo(np.float32).max)  # the shortcut would overflow
     ids = jax.random.randint(jax.random.PRNGKey(4), (n,), 0, v)
     for rows in (8, 5):  # whole chunks, and a ragged tail chunk
-        logp, lse, ent = jax.jit(lambda x, i: row_statistics(x, i, 0.7, rows, v))(z, ids)
+        blocks = XlaBlockSizes(chunk_tokens=rows, block_vocab=v)
+        logp, lse, ent = jax.jit(lambda x, i: row_statistics(x, i, 0.7, blocks))(z, ids)
         want_logp, want_ent = token_logp_and_entropy(z[None], ids[None], 0.7)
         for got, want in ((logp, want_logp[0]), (ent, want_ent[0])):
             assert bool(jnp.all(jnp.isfinite(got)))
             np.testing.assert_allclose(as64(got), as64(want), rtol=1e-5, atol=2e-5)
+
+
+def test_xla_lowered_for_an_accelerator_keeps_none_of_the_cpu_workarounds():
+    """The CPU's uint16 views of bfloat16 logits and its integer bfloat16 rounding are chosen
+    for the platform the program is lowered for, not the tracing host's: on XLA:TPU the view
+    was a logits-sized buffer of its own (2.49 GB in a tunix update at Qwen2.5-1.5B's shape,
+    docs/integrations/tunix.md)."""
+    cfg = GRPOLossConfig(beta=0.04, max_completion_length=T)
+    inp = random_inputs(31, B, T, V, jnp.bfloat16, cfg)
+
+    def grad(z):
+        return jax.grad(lambda z: grpo_loss(z, inp.ids, inp.mask, inp.advantages, config=cfg,
+                                            impl="xla", **inp.kwargs())[0])(z)
+
+    text = {p: lowered_text(grad, inp.logits, platform=p) for p in ("cpu", "tpu", "cuda")}
+    assert "ui16" in text["cpu"] and "shift_right" in text["cpu"]
+    for platform in ("tpu", "cuda"):
+        assert "ui16" not in text[platform] and "shift_right" not in text[platform], platform
+
+
+@pytest.mark.parametrize("kind,dtype,level,blocks", [
+    ("tpu", jnp.bfloat16, "token", None),
+    ("gpu", jnp.float32, "sequence", XlaBlockSizes(chunk_tokens=5, block_vocab=128)),
+    ("gpu", jnp.bfloat16, "sequence", XlaBlockSizes(chunk_tokens=7, block_vocab=100))])
+def test_xla_accelerator_plan_matches_reference(monkeypatch, kind, dtype, level, blocks):
+    """The branch a GPU or TPU lowering keeps (exact row max, plain slices, an accelerator's
+    chunks), run on this CPU: whole rows, and vocabulary blocks with a ragged tail."""
+    from grpo_kernels.ops.logits_loss import xla
+    take_plan_of(monkeypatch, xla, kind)
+    cfg = GRPOLossConfig(beta=0.04, importance_sampling_level=level, temperature=0.7,
+                         max_completion_length=T)
+    assert_matches_reference("xla", random_inputs(32, B, T, V, dtype, cfg), cfg, options=blocks)

@@ -6,7 +6,8 @@
 - :mod:`.batch`: :class:`TokenBatch`, the per-token inputs every backend takes;
 - :mod:`.vjp`: the one ``custom_vjp`` builder of every fast backend (gradient formed in the
   forward pass, the backward only scales it or runs a gradient kernel);
-- :mod:`.options`: helpers the per-op option dataclasses validate themselves with.
+- :mod:`.options`: helpers the per-op option dataclasses validate themselves with;
+- :mod:`.platform`: choices made for the platform a program is lowered for (:func:`by_platform`).
 
 No module here imports an op.
 """

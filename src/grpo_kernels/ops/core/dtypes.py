@@ -7,6 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from grpo_kernels.ops.core.platform import by_platform
+
 Array = jax.Array
 F32 = jnp.float32
 
@@ -47,14 +49,14 @@ def cast_to(x: Array, dtype: Any) -> Array:
     """``x.astype(dtype)``, through :func:`to_bfloat16` for bfloat16 on CPU.
 
     The choice is made when the program is lowered, for the platform it is lowered for
-    (``jax.lax.platform_dependent``), not by the tracing host's backend: a TPU or GPU program
-    traced on a CPU host (``jax.export``, a compile for a TPU topology) keeps the plain
+    (:func:`~grpo_kernels.ops.core.platform.by_platform`), not by the tracing host's backend:
+    a TPU or GPU program traced on a CPU host (``jax.export``, a compile for a TPU topology) keeps the plain
     ``convert``, which XLA folds into the ops around it, and never the integer rounding.
     """
     if jnp.dtype(dtype) != jnp.bfloat16 or x.dtype == jnp.bfloat16:
         return x.astype(dtype)
-    return jax.lax.platform_dependent(x, cpu=to_bfloat16,
-                                      default=lambda v: v.astype(jnp.bfloat16))
+    return by_platform(lambda on_cpu, v: to_bfloat16(v) if on_cpu else v.astype(jnp.bfloat16),
+                       lambda kind: kind == "cpu", x)
 
 
 def common_dtype(a: Any, b: Any) -> jnp.dtype:

@@ -44,7 +44,7 @@ matmul of the logits' size.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -59,13 +59,13 @@ from grpo_kernels.objective import (
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import common_dtype
 from grpo_kernels.ops.core.options import check_int
+from grpo_kernels.ops.core.platform import by_platform
 from grpo_kernels.ops.core.vjp import loss_with_gradient, scale_by_cotangent
 from grpo_kernels.ops.lm_head_loss.head import HeadFormat
 from grpo_kernels.ops.lm_head_loss.xla_quantile import QuantilePass
 from grpo_kernels.ops.lm_head_loss.xla_sweep import (
     GradFn,
     Head,
-    dweight_rows,
     head_sweep,
     rows_of as _rows,
     vocab_sweep,
@@ -144,6 +144,31 @@ def plan_vocab_block(n_rows: int, vocab: int, blocks: LmHeadBlockSizes, backend:
     return min(vocab, max(128, budget // (32 * n_rows) // 128 * 128))
 
 
+# float32 elements of one dW update product [rows, V] on CPU (docs/lm_head.md says why).
+DWEIGHT_ELEMENTS = 1 << 22
+# Rows of one dW update on TPU: a multiple of the MXU's 128 and 256 (docs/lm_head.md).
+TPU_DWEIGHT_ROWS = 512
+
+
+def dweight_rows(hidden: int, vocab: int, kind: str) -> int:
+    """Rows of ``dW [H, V]`` per update on a ``kind`` (``cpu``, ``gpu``, ``tpu``) platform.
+
+    CPU: :data:`DWEIGHT_ELEMENTS` over ``V``, a multiple of 8, at most ``H``. A vocabulary
+    shard passes the global ``V`` (its product shrinks with it). GPU: all ``H`` rows, one
+    ``[H, c] x [c, V]`` product per chunk. Row blocks of a few dozen rows are skinny matmuls
+    that each re-read the whole ``delta``; on an H100 they made the fused op slower than the
+    materialised reference (docs/benchmarks.md, "GPU"). TPU: :data:`TPU_DWEIGHT_ROWS`, at most
+    ``H``: XLA:TPU kept a whole ``[H, V]`` float32 product beside the accumulator and copied
+    ``W`` twice to relayout it (6.7 GB of temporaries at H = 4096, V = 151,936 against 3.6 GB
+    in 512-row blocks; timing not measured, no TPU has been lent).
+    """
+    if kind == "tpu":
+        return min(hidden, TPU_DWEIGHT_ROWS)
+    if kind != "cpu":
+        return hidden
+    return min(hidden, max(8, DWEIGHT_ELEMENTS // vocab // 8 * 8))
+
+
 def _correction_rows(rows: int) -> int:
     """Rows per chunk of :mod:`.xla_quantile`'s correction: a quarter of the sweep's (the
     corrected tokens are a few percent of the batch; a whole chunk for a few of them would
@@ -151,12 +176,36 @@ def _correction_rows(rows: int) -> int:
     return max(8, rows // 4 // 8 * 8)
 
 
+class _Plan(NamedTuple):
+    """The chunking of one kind of platform (:func:`plan_chunk`, :func:`plan_vocab_block`,
+    :func:`~.xla_sweep.dweight_rows`)."""
+
+    rows: int
+    cols: int
+    dw_rows: int
+    cpu: bool
+
+
+def _planner(n_rows: int, hidden: int, vocab: int, blocks: LmHeadBlockSizes,
+             chunk_vocab: int | None = None, parts: int = 1) -> Callable[[str], _Plan]:
+    """``plan(kind)`` for :func:`~grpo_kernels.ops.core.platform.by_platform`: chunks of
+    ``n_rows`` rows planned as for ``chunk_vocab`` columns (default ``vocab``), a multiple of
+    ``parts``; vocabulary blocks and ``dW`` row blocks for ``vocab`` columns (a vocabulary
+    shard passes the whole head's)."""
+    def plan(kind: str) -> _Plan:
+        rows = plan_chunk(n_rows, chunk_vocab or vocab, blocks, kind)
+        return _Plan(max(parts, rows // parts * parts),
+                     plan_vocab_block(n_rows, vocab, blocks, kind),
+                     dweight_rows(hidden, vocab, kind), kind == "cpu")
+    return plan
+
+
 def _rows_and_head(hidden: Array, w: Array, bias: Array | None,
-                   fmt: HeadFormat) -> tuple[Array, Head]:
+                   fmt: HeadFormat, cpu: bool) -> tuple[Array, Head]:
     """``hidden`` as ``[N, H]`` rows and the :class:`Head`, both in the operands' common dtype
-    (a mix: ``W`` upcast once per call)."""
+    (a mix: ``W`` upcast once per call); ``cpu``: the head of a program planned for CPU."""
     compute = common_dtype(hidden.dtype, w.dtype)
-    head = Head(w.astype(compute), bias, fmt.layout, fmt.logits_dtype)
+    head = Head(w.astype(compute), bias, fmt.layout, fmt.logits_dtype, cpu)
     return hidden.reshape(-1, hidden.shape[-1]).astype(compute), head
 
 
@@ -193,16 +242,15 @@ def xla_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: T
 
     Args, returns: as :func:`grpo_kernels.grpo_loss_from_hidden` (checked there).
     """
-    b, t, _ = hidden.shape
-    blocks, backend = options or LmHeadBlockSizes(), jax.default_backend()
-    vocab = fmt.vocab(lm_head)
-    rows = plan_chunk(b * t, vocab, blocks, backend)
+    b, t, hdim = hidden.shape
+    blocks = options or LmHeadBlockSizes()
+    plan = _planner(b * t, hdim, fmt.vocab(lm_head), blocks)
     by_vocab = blocks.dweight == "vocab"
-    cols = plan_vocab_block(b * t, vocab, blocks, backend)
     tau = config.temperature
 
-    def forward(primals, batch, with_grad):
-        h, head = _rows_and_head(*primals, fmt)
+    def planned_forward(p: _Plan, primals, batch, with_grad):
+        rows = p.rows
+        h, head = _rows_and_head(*primals, fmt, p.cpu)
         ids = batch.clamped_ids(head.vocab).reshape(-1)
         grad_fn, then, quantile = None, None, None
         if with_grad and token_separable(config):
@@ -210,15 +258,14 @@ def xla_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: T
         elif with_grad and separable_given_selection(config):  # one pass and a correction
             quantile = QuantilePass.estimate(h, ids, head, tau, rows, batch, config)
             grad_fn = quantile.grad_fn
-            then = quantile.correction(h, ids, head, tau, _correction_rows(rows),
-                                       dweight_rows(*h.shape[1:], head.vocab))
-        (logp, lse, ent), grads = head_sweep(h, ids, head, tau, rows, grad_fn,
+            then = quantile.correction(h, ids, head, tau, _correction_rows(rows), p.dw_rows)
+        (logp, lse, ent), grads = head_sweep(h, ids, head, tau, rows, grad_fn, p.dw_rows,
                                              dweight=not by_vocab, then=then)
         loss, metrics, row = batch.loss(logp.reshape(b, t), ent.reshape(b, t), config,
                                         with_grad=with_grad and grads is None)
         if row is not None:  # not token-separable: a second pass with the gradient known
             row = row.map(lambda x: x.reshape(-1))
-            _, grads = head_sweep(h, ids, head, tau, rows, _given_grad_fn(row),
+            _, grads = head_sweep(h, ids, head, tau, rows, _given_grad_fn(row), p.dw_rows,
                                   dweight=not by_vocab)
         elif grads is not None and by_vocab:
             row = grad_fn(0, b * t, logp) if quantile is None else quantile.exact(logp, ent)
@@ -227,15 +274,21 @@ def xla_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: T
             return (loss, metrics), None if grads is None else _cast_grads(primals, *grads)
         return (loss, metrics), (grads[0], primals, ids, lse, row)
 
-    def vocab_backward(residuals, cotangent):
+    def forward(primals, batch, with_grad):
+        return by_platform(lambda p, *a: planned_forward(p, *a, with_grad), plan, primals, batch)
+
+    def planned_vocab_backward(p: _Plan, residuals, cotangent):
         # dW and db in the backward, so that the vocabulary pass writes the returned gradient
         # itself: formed in the forward, it would be a weight-sized residual and the
         # cotangent's product a second weight-sized array.
         dh, primals, ids, lse, row = residuals
-        h, head = _rows_and_head(*primals, fmt)
+        h, head = _rows_and_head(*primals, fmt, p.cpu)
         dh, = scale_by_cotangent((dh,), cotangent)
         return _cast_grads(primals, dh, *vocab_sweep(h, ids, head, tau, lse,
-                                                     row.scaled(cotangent), cols))
+                                                     row.scaled(cotangent), p.cols))
+
+    def vocab_backward(residuals, cotangent):
+        return by_platform(planned_vocab_backward, plan, residuals, cotangent)
 
     backward = vocab_backward if by_vocab else scale_by_cotangent
     return loss_with_gradient(forward, backward)((hidden, lm_head, bias), batch)
@@ -281,40 +334,48 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadBlockSizes |
     # so each gets half of the one-pass budget. A sequence-parallel chunk takes as many rows
     # from every device.
     blocks = options or LmHeadBlockSizes()
-    rows = plan_chunk(b * t, 2 * vocab, blocks, jax.default_backend())
-    rows = max(parts, rows // parts * parts)
-    cols = plan_vocab_block(b * t, vocab, blocks, jax.default_backend())
-    # dW update blocks of as many rows as the whole head's: the float32 product [rows, V_local]
-    # shrinks with the shard.
-    dw_rows = dweight_rows(hdim, vocab)
+    plan = _planner(b * t, hdim, vocab, blocks, chunk_vocab=2 * vocab, parts=parts)
     by_vocab = blocks.dweight == "vocab"
     if seq is not None and by_vocab:
         raise ValueError("LmHeadBlockSizes(dweight='vocab') needs every row on each device; "
                          "a sequence-parallel head sums dW by tokens (dweight='tokens')")
-    order = None if seq is None else chunk_order(b, t, parts, rows)
-    inverse = None if order is None else np.argsort(order)
 
-    def to_sweep(x: Array) -> Array:
-        """``[B, T]`` -> the sweep's ``[N]`` row order."""
-        x = x.reshape(-1)
-        return x if order is None else x[order]
+    def orders(p: _Plan) -> tuple[Callable[[Array], Array], Callable[[Array], Array]]:
+        """``[B, T]`` -> the sweep's ``[N]`` row order of ``p``'s chunks, and back."""
+        order = None if seq is None else chunk_order(b, t, parts, p.rows)
+        inverse = None if order is None else np.argsort(order)
 
-    def from_sweep(x: Array) -> Array:
-        return (x if inverse is None else x[inverse]).reshape(b, t)
+        def to_sweep(x: Array) -> Array:
+            x = x.reshape(-1)
+            return x if order is None else x[order]
 
-    def stats(primals, ids):
-        h, head = _rows_and_head(*primals, fmt)
-        out, _ = head_sweep(h, to_sweep(ids), head, temperature, rows, None, seq=seq)
+        def from_sweep(x: Array) -> Array:
+            return (x if inverse is None else x[inverse]).reshape(b, t)
+        return to_sweep, from_sweep
+
+    def planned_stats(p: _Plan, primals, ids):
+        to_sweep, from_sweep = orders(p)
+        h, head = _rows_and_head(*primals, fmt, p.cpu)
+        out, _ = head_sweep(h, to_sweep(ids), head, temperature, p.rows, None, seq=seq)
         return tuple(from_sweep(x) for x in out)
 
-    def grad(primals, hit_ids, lse, row):
-        h, head = _rows_and_head(*primals, fmt)
+    def planned_grad(p: _Plan, primals, hit_ids, lse, row):
+        to_sweep, _ = orders(p)
+        h, head = _rows_and_head(*primals, fmt, p.cpu)
         ids, lse, row = to_sweep(hit_ids), to_sweep(lse), row.map(to_sweep)
-        _, grads = head_sweep(h, ids, head, temperature, rows, _given_grad_fn(row),
-                              dw_rows=dw_rows, lse=lse, reduce_dh=reduce_dh,
+        # dW update blocks of as many rows as the whole head's (p.dw_rows): the float32
+        # product [rows, V_local] shrinks with the shard.
+        _, grads = head_sweep(h, ids, head, temperature, p.rows, _given_grad_fn(row),
+                              dw_rows=p.dw_rows, lse=lse, reduce_dh=reduce_dh,
                               dweight=not by_vocab, seq=seq)
         if by_vocab:
-            grads = (grads[0], *vocab_sweep(h, ids, head, temperature, lse, row, cols))
+            grads = (grads[0], *vocab_sweep(h, ids, head, temperature, lse, row, p.cols))
         return _cast_grads(primals, *grads)
+
+    def stats(primals, ids):
+        return by_platform(planned_stats, plan, primals, ids)
+
+    def grad(primals, hit_ids, lse, row):
+        return by_platform(planned_grad, plan, primals, hit_ids, lse, row)
 
     return stats, grad

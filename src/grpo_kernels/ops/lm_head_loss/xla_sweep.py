@@ -54,12 +54,15 @@ def round_to_bfloat16(x: Array) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class Head:
-    """The LM head: weights in one of two layouts, an optional bias, the logits dtype."""
+    """The LM head: weights in one of two layouts, an optional bias, the logits dtype, and
+    whether the program is planned for XLA:CPU (its workarounds: bfloat16 logits held as
+    rounded float32, statistics over vocabulary blocks, ``dW`` in row blocks)."""
 
     w: Array
     bias: Array | None
     layout: str
     logits_dtype: Any
+    cpu: bool
 
     @property
     def vocab(self) -> int:
@@ -68,8 +71,8 @@ class Head:
     def logits(self, h: Array) -> Array:
         """``cast(h W + b)`` for rows ``h [c, H]``: float32 accumulation, one rounding.
 
-        bfloat16 logits on CPU come back as float32 arrays holding the rounded values
-        (:func:`round_to_bfloat16`), which XLA:CPU fuses into the softmax reductions.
+        bfloat16 logits on CPU (``self.cpu``) come back as float32 arrays holding the rounded
+        values (:func:`round_to_bfloat16`), which XLA:CPU fuses into the softmax reductions.
         """
         k = 0 if self.layout == "hv" else 1
         z = matmul(h, self.w, ((1,), (k,)))
@@ -78,7 +81,7 @@ class Head:
         dtype = jnp.dtype(self.logits_dtype)
         if dtype == _F32:
             return z
-        if dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        if dtype == jnp.bfloat16 and self.cpu:
             return round_to_bfloat16(z)
         return cast_to(z, dtype)
 
@@ -88,8 +91,8 @@ class Head:
         return matmul(delta, self.w, ((1,), (k,)))
 
 
-# Vocabulary columns per block of a chunk's softmax statistics, by backend (absent: whole rows).
-STATS_BLOCK = {"cpu": 4096}
+# Vocabulary columns per block of a chunk's softmax statistics on CPU (elsewhere whole rows).
+CPU_STATS_BLOCK = 4096
 
 
 def chunk_stats(s: Array, block: int | None) -> tuple[Array, Array, Array]:
@@ -139,24 +142,6 @@ def take_rows(x: Array, idx: Array) -> Array:
 GradFn = Callable[[Any, int, Array, Array], RowGrad]
 # then(stats, (dh_bits, dW [H, V] float32 or None, db or None)) -> the same gradients.
 ThenFn = Callable[[tuple[Array, Array, Array], tuple], tuple]
-
-# float32 elements of one dW update product [rows, V] on CPU (docs/lm_head.md says why).
-DWEIGHT_ELEMENTS = 1 << 22
-
-
-def dweight_rows(hidden: int, vocab: int, backend: str | None = None) -> int:
-    """Rows of ``dW [H, V]`` per update.
-
-    CPU: :data:`DWEIGHT_ELEMENTS` over ``V``, a multiple of 8, at most ``H``. A vocabulary
-    shard passes the global ``V`` (its product shrinks with it). GPU and TPU: all ``H`` rows,
-    one ``[H, c] x [c, V]`` product per chunk. Row blocks of a few dozen rows are skinny
-    matmuls that each re-read the whole ``delta``; on an H100 they made the fused op slower
-    than the materialised reference (docs/benchmarks.md, "GPU").
-    """
-    if (backend or jax.default_backend()) != "cpu":
-        return hidden
-    return min(hidden, max(8, DWEIGHT_ELEMENTS // vocab // 8 * 8))
-
 
 def _accumulate_dweight(dw: Array, hc_t: Array, delta: Array, rows: int) -> Array:
     """``dw += h^T delta`` over blocks of ``rows`` rows of ``dw``, in place.
@@ -216,7 +201,8 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
         entropy_chunk)`` returns the chunk's :class:`~grpo_kernels.objective.RowGrad` and the
         pass also forms the gradients (an entropy term without ``entropy`` takes this pass's
         entropies).
-      dw_rows: Rows of ``dW`` per update (default :func:`dweight_rows` of this head).
+      dw_rows: Rows of ``dW`` per update (:func:`dweight_rows` of the plan's platform);
+        needed when the pass forms ``dW`` (``grad_fn`` given and ``dweight``).
       lse: ``[N]`` logsumexp to use in the gradient instead of the one of these columns (the
         whole-row value when the head is a vocabulary shard); ``None``: this pass's own.
       reduce_dh: Applied to each chunk's float32 ``dh`` before it is stored: the ``psum`` over
@@ -243,8 +229,9 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
     parts = 1 if seq is None else seq[1]
     n, hidden = h.shape[0] * parts, h.shape[1]
     vocab = head.vocab
-    dw_rows = dw_rows or dweight_rows(hidden, vocab)
-    stats_block = STATS_BLOCK.get(jax.default_backend())
+    if grad_fn is not None and dweight and dw_rows is None:
+        raise ValueError("head_sweep: a pass that forms dW needs dw_rows (dweight_rows)")
+    stats_block = CPU_STATS_BLOCK if head.cpu else None
 
     def chunk(start, size, carry):
         stats, grads = carry
@@ -361,7 +348,7 @@ def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array
     def block(col, width, w):
         """``(dW, db)`` of the columns ``col .. col + width``, dW in its layout and dtype."""
         bias = None if head.bias is None else jax.lax.dynamic_slice_in_dim(head.bias, col, width)
-        part = Head(_slice_rows(w, col, width, axis=axis), bias, head.layout, head.logits_dtype)
+        part = dataclasses.replace(head, w=_slice_rows(w, col, width, axis=axis), bias=bias)
         s = part.logits(h).astype(_F32) / temperature
         delta = logits_delta(s, ids, coef, lse, head, col)
         if head.layout == "hv":

@@ -36,7 +36,7 @@ therefore slices a ``uint16`` view of bfloat16 logits and writes only float32 ro
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,7 @@ from grpo_kernels.ops.core.dtypes import cast_to
 from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, sweep
 from grpo_kernels.ops.core.online_softmax import softmax_grad
 from grpo_kernels.ops.core.options import check_int
+from grpo_kernels.ops.core.platform import by_platform
 from grpo_kernels.ops.core.vjp import loss_with_gradient
 
 Array = jax.Array
@@ -91,17 +92,28 @@ def plan_blocks(n_rows: int, vocab: int, blocks: XlaBlockSizes, backend: str) ->
     return max(1, min(rows, n_rows)), block_v
 
 
-def _load(z: Array, row: Any, rows: int, col: Any, cols: int, temperature: float) -> Array:
+class _Plan(NamedTuple):
+    """How :func:`row_statistics` sweeps on one kind of platform (see :func:`plan_blocks`)."""
+
+    rows: int
+    block_v: int
+    probe: int  # >= V: the exact row max
+    cpu: bool
+
+
+def _load(z: Array, row: Any, rows: int, col: Any, cols: int, temperature: float,
+          cpu: bool) -> Array:
     """``z[row:row+rows, col:col+cols] / temperature`` in float32, ``z`` viewed as ``[N, V]``.
 
-    On CPU, 16-bit floats are sliced through a same-width unsigned-integer view: XLA:CPU has no
-    native bfloat16 dynamic-slice and would convert the whole array to float32 (see the module
-    docstring). The bitcast is applied to the array and then sliced, so XLA fuses both into one
-    read of the slice, provided ``z`` is loop-variant (callers pass it through
-    :func:`_loop_carried`).
+    With ``cpu``, 16-bit floats are sliced through a same-width unsigned-integer view: XLA:CPU
+    has no native bfloat16 dynamic-slice and would convert the whole array to float32 (see the
+    module docstring). The bitcast is applied to the array and then sliced, so XLA fuses both
+    into one read of the slice, provided ``z`` is loop-variant (callers pass it through
+    :func:`_loop_carried`). Elsewhere the view would cost a copy of ``z`` (XLA:TPU keeps it as
+    a buffer of its own).
     """
     vocab = z.shape[-1]
-    if jax.default_backend() == "cpu" and z.dtype.itemsize == 2:
+    if cpu and z.dtype.itemsize == 2:
         bits = jax.lax.bitcast_convert_type(z, jnp.uint16).reshape(-1, vocab)
         block = jax.lax.dynamic_slice(bits, (row, col), (rows, cols))
         block = jax.lax.bitcast_convert_type(block, z.dtype)
@@ -125,17 +137,20 @@ def shift_probe_width(vocab: int) -> int:
 
 
 def row_statistics(
-    z: Array, ids: Array, temperature: float, rows: int, block_v: int,
+    z: Array, ids: Array, temperature: float, blocks: XlaBlockSizes | None = None,
     probe_width: int | None = None,
 ) -> tuple[Array, Array, Array]:
     """Per-row ``(logp, lse, entropy)`` of ``softmax(z / temperature)``, rows flattened.
+
+    The sweep is planned for the platform the program is lowered for
+    (:func:`~grpo_kernels.ops.core.platform.by_platform`), not the tracing host's: a TPU
+    program traced on a CPU host gets the TPU's chunks and none of the CPU's workarounds.
 
     Args:
       z: ``[..., V]`` logits with ``N`` rows in all (any float dtype; arithmetic in float32).
       ids: ``[N]`` int32 chosen ids, already in ``[0, V)``.
       temperature: Softmax temperature.
-      rows: Rows per chunk of the loop.
-      block_v: Vocabulary columns per block (``>= V``: whole rows).
+      blocks: The chunking (:func:`plan_blocks`); ``None``: the defaults.
       probe_width: With whole rows, the shift of each row is the max of its first
         ``probe_width`` columns (checked; see below). ``None``: :func:`shift_probe_width` on
         CPU, the exact row max elsewhere; ``>= V``: always the exact row max.
@@ -143,15 +158,26 @@ def row_statistics(
     Returns:
       Three ``[N]`` float32 vectors.
     """
-    vocab = z.shape[-1]
-    n = ids.shape[0]
+    vocab, n = z.shape[-1], ids.shape[0]
 
-    if probe_width is None:  # the shortcut answers an XLA:CPU cost; elsewhere the max is cheap
-        probe_width = shift_probe_width(vocab) if jax.default_backend() == "cpu" else vocab
-    probe = probe_width
+    def plan(kind: str) -> _Plan:
+        rows, block_v = plan_blocks(n, vocab, blocks or XlaBlockSizes(), kind)
+        # the probe answers an XLA:CPU cost; elsewhere the row max is cheap
+        probe = probe_width if probe_width is not None else (
+            shift_probe_width(vocab) if kind == "cpu" else vocab)
+        return _Plan(rows, block_v, probe, kind == "cpu")
+
+    return by_platform(lambda p, z, ids: _row_statistics(z, ids, temperature, p), plan, z, ids)
+
+
+def _row_statistics(z: Array, ids: Array, temperature: float, plan: _Plan
+                    ) -> tuple[Array, Array, Array]:
+    """:func:`row_statistics` under one platform's ``plan``."""
+    vocab, n = z.shape[-1], ids.shape[0]
+    rows, block_v, probe, cpu = plan
 
     def whole_rows(start, size, zz):
-        s = _load(zz, start, size, 0, vocab, temperature)
+        s = _load(zz, start, size, 0, vocab, temperature, cpu)
         idc = jax.lax.dynamic_slice_in_dim(ids, start, size)
         chosen = jnp.take_along_axis(s, idc[:, None], axis=1)[:, 0]
         if probe >= vocab:
@@ -163,7 +189,7 @@ def row_statistics(
         # exact row-max path, so the result never depends on the shortcut.
         fast = block_stats(s, jnp.max(s[:, :probe], axis=1))
         ok = jnp.all(jnp.isfinite(fast[0]) & jnp.isfinite(fast[1]) & jnp.isfinite(fast[2]))
-        exact = lambda zz: block_stats(_load(zz, start, size, 0, vocab, temperature))
+        exact = lambda zz: block_stats(_load(zz, start, size, 0, vocab, temperature, cpu))
         return (*jax.lax.cond(ok, lambda zz: fast, exact, zz), chosen)
 
     def vocab_blocks(start, size, zz):
@@ -172,7 +198,7 @@ def row_statistics(
         def block(col, width, carry):
             acc, zz = carry
             zz = _loop_carried(zz)
-            s = _load(zz, start, size, col, width, temperature)
+            s = _load(zz, start, size, col, width, temperature, cpu)
             cols = col + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
             chosen = acc[3] + jnp.sum(jnp.where(cols == idc, s, 0.0), axis=1)
             return (*merge_stats(acc[:3], block_stats(s)), chosen), zz
@@ -210,10 +236,10 @@ def logits_gradient(z: Array, ids: Array, lse: Array, grad: RowGrad,
 
 
 def _forward(logits, batch: TokenBatch, with_grad: bool, *, config: GRPOLossConfig,
-             rows: int, block_v: int) -> tuple[tuple[Array, dict[str, Array]], Array | None]:
+             blocks: XlaBlockSizes | None) -> tuple[tuple[Array, dict[str, Array]], Array | None]:
     b, t, vocab = logits.shape
     ids = batch.clamped_ids(vocab)
-    logp, lse, entropy = row_statistics(logits, ids.reshape(-1), config.temperature, rows, block_v)
+    logp, lse, entropy = row_statistics(logits, ids.reshape(-1), config.temperature, blocks)
     logp, lse, entropy = logp.reshape(b, t), lse.reshape(b, t), entropy.reshape(b, t)
     loss, metrics, grad = batch.loss(logp, entropy, config, with_grad)
     dlogits = None if grad is None else logits_gradient(logits, ids, lse, grad,
@@ -228,12 +254,9 @@ def xla_grpo_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
     Args, returns: as :func:`grpo_kernels.grpo_loss` (checked there); ``options`` overrides
     the chunking.
     """
-    b, t, vocab = logits.shape
-    rows, block_v = plan_blocks(b * t, vocab, options or XlaBlockSizes(), jax.default_backend())
 
     def forward(primals, batch, with_grad):
-        out, dlogits = _forward(primals[0], batch, with_grad, config=config, rows=rows,
-                                block_v=block_v)
+        out, dlogits = _forward(primals[0], batch, with_grad, config=config, blocks=options)
         return out, (dlogits,)
 
     return loss_with_gradient(forward)((logits,), batch)
@@ -248,11 +271,10 @@ def pieces(shape: tuple[int, ...], options: XlaBlockSizes | None, temperature: f
     :class:`~grpo_kernels.objective.RowGrad` (an id of ``-1`` hits no column). See
     :mod:`grpo_kernels.sharding`.
     """
-    b, t, vocab = shape
-    rows, block_v = plan_blocks(b * t, vocab, options or XlaBlockSizes(), jax.default_backend())
+    b, t, _ = shape
 
     def stats(primals, ids):
-        out = row_statistics(primals[0], ids.reshape(-1), temperature, rows, block_v)
+        out = row_statistics(primals[0], ids.reshape(-1), temperature, options)
         return tuple(x.reshape(b, t) for x in out)
 
     def grad(primals, hit_ids, lse, row_grad):
