@@ -1,5 +1,7 @@
 """ops.core.platform.by_platform: the branch of the platform a program is lowered for."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,6 @@ SCALE = {"cpu": 2.0, "gpu": 3.0, "tpu": 5.0}
 
 def _constants(text: str) -> set[float]:
     """The float constants of a lowered program."""
-    import re
     return {float(x) for x in re.findall(r"dense<([0-9.]+e[+-][0-9]+)> : tensor<f32>", text)}
 
 

@@ -50,8 +50,9 @@ def cast_to(x: Array, dtype: Any) -> Array:
 
     The choice is made when the program is lowered, for the platform it is lowered for
     (:func:`~grpo_kernels.ops.core.platform.by_platform`), not by the tracing host's backend:
-    a TPU or GPU program traced on a CPU host (``jax.export``, a compile for a TPU topology) keeps the plain
-    ``convert``, which XLA folds into the ops around it, and never the integer rounding.
+    a TPU or GPU program traced on a CPU host (``jax.export``, a compile for a TPU topology)
+    keeps the plain ``convert``, which XLA folds into the ops around it, and never the integer
+    rounding.
     """
     if jnp.dtype(dtype) != jnp.bfloat16 or x.dtype == jnp.bfloat16:
         return x.astype(dtype)

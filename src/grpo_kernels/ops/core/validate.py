@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.ops.core.platform import PLATFORMS
 
 Array = jax.Array
 
@@ -96,9 +97,10 @@ def validate_token_inputs(
 
 
 def backend_kind(backend: str | None = None) -> str:
-    """``cpu``, ``gpu`` or ``tpu`` (CUDA and ROCm are ``gpu``) of ``backend`` or JAX's default."""
+    """``cpu``, ``gpu`` or ``tpu`` (CUDA and ROCm are ``gpu``: :data:`.platform.PLATFORMS`) of
+    ``backend`` or JAX's default; any other name as it is."""
     backend = backend or jax.default_backend()
-    return "gpu" if backend in ("cuda", "rocm") else backend
+    return next((kind for kind, names in PLATFORMS.items() if backend in names), backend)
 
 
 def resolve_impl(impl: Any, options: Any, option_types: dict[str, type],

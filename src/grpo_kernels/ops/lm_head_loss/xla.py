@@ -178,7 +178,7 @@ def _correction_rows(rows: int) -> int:
 
 class _Plan(NamedTuple):
     """The chunking of one kind of platform (:func:`plan_chunk`, :func:`plan_vocab_block`,
-    :func:`~.xla_sweep.dweight_rows`)."""
+    :func:`dweight_rows`)."""
 
     rows: int
     cols: int

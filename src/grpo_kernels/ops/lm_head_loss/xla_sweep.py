@@ -56,7 +56,8 @@ def round_to_bfloat16(x: Array) -> Array:
 class Head:
     """The LM head: weights in one of two layouts, an optional bias, the logits dtype, and
     whether the program is planned for XLA:CPU (its workarounds: bfloat16 logits held as
-    rounded float32, statistics over vocabulary blocks, ``dW`` in row blocks)."""
+    rounded float32, statistics over vocabulary blocks; the ``dW`` row blocks come with the
+    sweep's ``dw_rows``)."""
 
     w: Array
     bias: Array | None
