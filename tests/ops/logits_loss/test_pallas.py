@@ -270,7 +270,7 @@ def test_options_must_fit_the_impl():
                   options=PallasOptions())
 
 
-def _export_value_and_grad(b, t, v, dtype, platform, kernel, level="token"):
+def _export_value_and_grad(b, t, v, dtype, platform, kernel, level="token", **options):
     cfg = GRPOLossConfig(beta=0.04, importance_sampling_level=level)
     spec = jax.ShapeDtypeStruct
     args = (spec((b, t, v), dtype), spec((b, t), jnp.int32), spec((b, t), jnp.float32),
@@ -278,7 +278,8 @@ def _export_value_and_grad(b, t, v, dtype, platform, kernel, level="token"):
 
     def f(z, ids, mask, adv, old, ref):
         return grpo_loss(z, ids, mask, adv, config=cfg, impl="pallas", old_logps=old,
-                         ref_logps=ref, options=PallasOptions(kernel=kernel, interpret=False))
+                         ref_logps=ref,
+                         options=PallasOptions(kernel=kernel, interpret=False, **options))
 
     step = jax.jit(jax.value_and_grad(f, has_aux=True))
     # Triton custom calls carry no serialization-compatibility promise; lowering is what counts.
@@ -304,11 +305,13 @@ def test_tpu_kernels_lower_at_the_real_shapes(b, level, dtype):
 
 @pytest.mark.parametrize("b,t", [(1, 2048), (4, 1024)])
 def test_gpu_kernels_lower_for_cuda(b, t):
-    """The Triton kernels lower at the GPU benchmark shapes (the CPU jaxlib emits Triton IR):
-    each kernel as a call over the full 8192-column tiles and one over the ragged tail
-    (151,643 = 18 x 8192 + 4187)."""
+    """The rows layout's Triton kernels lower at the GPU benchmark shapes (the CPU jaxlib emits
+    Triton IR): each kernel as a call over the full 8192-column tiles and one over the ragged
+    tail (151,643 = 18 x 8192 + 4187). The default there, the aligned layout, has its own test
+    (test_pallas_gpu_aligned.py)."""
     try:
-        exported = _export_value_and_grad(b, t, 151_643, jnp.bfloat16, "cuda", "gpu")
+        exported = _export_value_and_grad(b, t, 151_643, jnp.bfloat16, "cuda", "gpu",
+                                          gpu_layout="rows")
     except ValueError as e:
         if "install jaxlib GPU" in str(e):
             pytest.skip("this jaxlib cannot lower Pallas GPU (Triton) kernels without the CUDA "

@@ -21,6 +21,7 @@ from grpo_kernels.ops.logits_loss import pallas_gpu_aligned as aligned
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
 from tests.helpers import cuda_module, reference_value_and_grad, rel_err
 from tests.ops.logits_loss.test_impls import assert_matches_reference
+from tests.ops.logits_loss.test_pallas import kernel_names
 
 
 def _options(block_vocab: int = 128, **kw) -> PallasOptions:
@@ -147,10 +148,26 @@ def test_int32_offsets_are_checked():
 
 
 def test_layout_option_is_checked():
-    with pytest.raises(ValueError, match="gpu_layout must be one of"):
+    with pytest.raises(ValueError, match="gpu_layout must be 'auto' or one of"):
         PallasOptions(gpu_layout="columns")
-    with pytest.raises(ValueError, match="GPU layout must be one of"):
+    with pytest.raises(ValueError, match="GPU layout must be 'auto' or one of"):
         pallas_gpu.plan_blocks(300, None, "columns")
+
+
+def test_auto_layout_is_aligned_where_its_int32_offsets_fit():
+    """The default: aligned (faster at every shape of the H100 proof) up to N * V < 2^31,
+    rows beyond (B=8, T=2048 at Qwen's vocabulary), and rows when N is not known."""
+    assert PallasOptions().gpu_layout == "auto"
+    assert pallas_gpu.plan_blocks(151_643, None, "auto", 2048).layout == "aligned"
+    assert pallas_gpu.plan_blocks(151_643, None, "auto", 16384).layout == "rows"
+    limit = 2 ** 31 // 151_643  # the last N whose N * V is below 2^31
+    assert pallas_gpu.plan_blocks(151_643, None, "auto", limit).layout == "aligned"
+    assert pallas_gpu.plan_blocks(151_643, None, "auto", limit + 1).layout == "rows"
+    assert pallas_gpu.plan_blocks(151_643, None, "auto").layout == "rows"
+    assert pallas_gpu.plan_blocks(151_643, None, "rows", 2048).layout == "rows"
+    # The loss hands the planner its row count: the default options run the aligned kernels.
+    edge = ("grpo_edge_statistics", "grpo_edge_gradient", "grpo_tile_statistics")
+    assert kernel_names(GRPOLossConfig(), PallasOptions(kernel="gpu"), edge) == set(edge[:2])
 
 
 @pytest.mark.parametrize("b,t", [(1, 2048), (4, 1024)])

@@ -85,10 +85,11 @@ class PallasOptions:
         ``gpu_layout``). ``None``: exactly when the TPU kernel runs and the config is
         token-separable (the GPU one is not yet measured); ``True`` with another config
         raises; ``False``: the two kernels.
-      gpu_layout: How the GPU kernels address a row: ``"rows"`` (tiles from each row's start,
-        the measured default) or ``"aligned"`` (tiles on 16-byte boundaries, no column ids
-        inside them; :mod:`~grpo_kernels.ops.logits_loss.pallas_gpu_aligned`). Ignored by the
-        TPU kernels.
+      gpu_layout: How the GPU kernels address a row: ``"rows"`` (tiles from each row's start)
+        or ``"aligned"`` (tiles on 16-byte boundaries, no column ids inside them;
+        :mod:`~grpo_kernels.ops.logits_loss.pallas_gpu_aligned`; int32 offsets, so
+        ``N * V < 2^31``). ``"auto"``: ``"aligned"`` where it fits, else ``"rows"`` (aligned
+        was faster at every shape on an H100, docs/benchmarks.md). Ignored by the TPU kernels.
       tpu_generation: The TPU the TPU kernels' blocks are sized for (``"v4"``, ``"v5e"``,
         ``"v5p"``, ``"v6e"``, ``"v7x"``: :data:`grpo_kernels.ops.core.tpu.VMEM_BYTES`);
         ``None``: the first device's, else ``"v6e"``. Name it when tracing on one host for
@@ -105,7 +106,7 @@ class PallasOptions:
     alias_logits: bool = False
     interpret: bool | Literal["hlo"] | None = None
     one_pass: bool | None = None
-    gpu_layout: Literal["rows", "aligned"] = "rows"
+    gpu_layout: Literal["auto", "rows", "aligned"] = "auto"
     tpu_generation: str | None = None
 
     def __post_init__(self) -> None:
@@ -120,8 +121,9 @@ class PallasOptions:
         if self.one_pass not in (None, True, False):
             raise ValueError(f"PallasOptions.one_pass must be None, True or False, "
                              f"got {self.one_pass!r}")
-        if self.gpu_layout not in pallas_gpu.LAYOUTS:
-            raise ValueError(f"PallasOptions.gpu_layout must be one of {pallas_gpu.LAYOUTS}, "
+        if self.gpu_layout not in ("auto", *pallas_gpu.LAYOUTS):
+            raise ValueError(f"PallasOptions.gpu_layout must be 'auto' or one of "
+                             f"{pallas_gpu.LAYOUTS}, "
                              f"got {self.gpu_layout!r}")
         if not isinstance(self.alias_logits, bool):
             raise ValueError(f"PallasOptions.alias_logits must be True or False, "
@@ -160,7 +162,7 @@ def kernels(vocab: int, dtype, opts: PallasOptions, n: int):
     interpret = opts.resolved_interpret()
     blocks = opts.blocks or PallasBlockSizes()
     if opts.resolved_kernel() == "gpu":
-        tiling = pallas_gpu.plan_blocks(vocab, blocks.block_vocab, opts.gpu_layout)
+        tiling = pallas_gpu.plan_blocks(vocab, blocks.block_vocab, opts.gpu_layout, n)
         mod = pallas_gpu
     else:
         tiling, mod = _tpu_tiling(vocab, dtype, opts, n), pallas_tpu

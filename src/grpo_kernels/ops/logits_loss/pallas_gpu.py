@@ -58,18 +58,23 @@ class GpuBlocks:
 LAYOUTS = ("rows", "aligned")
 
 
-def plan_blocks(vocab: int, block_vocab: int | None = None, layout: str = "rows") -> GpuBlocks:
+def plan_blocks(vocab: int, block_vocab: int | None = None, layout: str = "rows",
+                n: int | None = None) -> GpuBlocks:
     """Power-of-two tile of at most 8192 columns, 4 warps (64 columns per thread).
 
     The tile the H100 probe of tiles from 1024 to 8192 columns chose (benchmarks/gpu_probes.py
-    step; the figures are in docs/benchmarks.md, "GPU").
+    step; the figures are in docs/benchmarks.md, "GPU"). ``layout="auto"`` is ``"aligned"``
+    (faster at every shape of the H100 proof of stop 43) where ``N * V < 2^31`` (``n`` rows;
+    its int32 offsets), else ``"rows"``.
     """
     if block_vocab is None:
         block_vocab = min(8192, pl.next_power_of_2(vocab))
     if block_vocab & (block_vocab - 1):
         raise ValueError(f"block_vocab must be a power of two on GPU, got {block_vocab}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"the GPU layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout not in ("auto", *LAYOUTS):
+        raise ValueError(f"the GPU layout must be 'auto' or one of {LAYOUTS}, got {layout!r}")
+    if layout == "auto":
+        layout = "aligned" if n is not None and aligned.fits(n, vocab) else "rows"
     return GpuBlocks(block_vocab, num_warps=4, layout=layout)
 
 

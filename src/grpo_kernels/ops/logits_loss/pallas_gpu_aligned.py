@@ -65,8 +65,13 @@ def full_tiles(vocab: int, block_vocab: int, align: int) -> int:
     return max(vocab - (align - 1), 0) // block_vocab
 
 
+def fits(n: int, vocab: int) -> bool:
+    """Whether ``[N, V]`` logits can be addressed with this layout's int32 offsets."""
+    return n * vocab < _INT32_LIMIT
+
+
 def _check_size(n: int, vocab: int, who: str, instead: str) -> None:
-    if n * vocab >= _INT32_LIMIT:
+    if not fits(n, vocab):
         raise ValueError(f"{who} addresses the logits with int32 offsets: "
                          f"N * V = {n} * {vocab} = {n * vocab} must be < 2^31; use "
                          f"{instead} or fewer rows per call")
