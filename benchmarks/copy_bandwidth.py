@@ -2,7 +2,8 @@
 
 The roofline fraction of the loss kernels divides the bytes they must move by a measured
 figure, not by a data-sheet number. Each way below reads ``N V b`` bytes and writes as many;
-the median over ``--iters`` calls (after warm-up) gives bytes / time:
+the median over ``--iters`` calls (after warm-up) gives bytes / time, and ``pipelined_ms`` the
+time per call of ``--iters`` calls back to back (``grpo_kernels.cli.bench.pipelined_ms``):
 
 - ``jax x+1`` and ``jax x*2``: XLA's own elementwise kernel;
 - ``torch copy_``: the device copy, where torch with CUDA is installed (the highest figure on
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from timing import median_ms
 
+from grpo_kernels.cli.bench import pipelined_ms
 from grpo_kernels.ops.core.dtypes import parse_dtype
 
 
@@ -38,8 +40,10 @@ def measure(rows: int, vocab: int, dtype: Any, iters: int, warmup: int) -> Itera
         f = jax.jit(fn)
         calls = iter(range(10 ** 9))
         ms = median_ms(lambda: f(xs[next(calls) % 2]), iters, warmup)
+        back = pipelined_ms(lambda: f(xs[next(calls) % 2]), iters)
         yield {**base, "how": f"jax {name}", "median_ms": ms,
-               "bandwidth_bytes_per_s": nbytes / (ms * 1e-3)}
+               "bandwidth_bytes_per_s": nbytes / (ms * 1e-3), "pipelined_ms": back,
+               "pipelined_bytes_per_s": nbytes / (back * 1e-3)}
     del xs
     try:
         import torch
@@ -57,8 +61,10 @@ def measure(rows: int, vocab: int, dtype: Any, iters: int, warmup: int) -> Itera
         torch.cuda.synchronize()
 
     ms = median_ms(copy, iters, warmup)
+    back = pipelined_ms(lambda: y.copy_(x), iters, wait=lambda _: torch.cuda.synchronize())
     yield {**base, "how": "torch copy_", "median_ms": ms,
-           "bandwidth_bytes_per_s": nbytes / (ms * 1e-3)}
+           "bandwidth_bytes_per_s": nbytes / (ms * 1e-3), "pipelined_ms": back,
+           "pipelined_bytes_per_s": nbytes / (back * 1e-3)}
     del x, y
     torch.cuda.empty_cache()
 

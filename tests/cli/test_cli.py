@@ -5,6 +5,7 @@ import json
 import jax.numpy as jnp
 import pytest
 
+from grpo_kernels.cli.bench import pipelined_ms
 from grpo_kernels.cli.main import main
 from grpo_kernels.ops.logits_loss import IMPLEMENTATIONS
 from grpo_kernels.ops.logits_loss.xla import xla_grpo_loss
@@ -107,7 +108,7 @@ def test_bench_reports_time_memory_and_ratios(capsys):
                     "host_rss_before_bytes", "host_peak_rss_bytes",
                     "median_step_ms_ratio_to_reference", "machine"):
             assert key in r
-        assert r["avg_step_ms"] > 0
+        assert r["avg_step_ms"] > 0 and r["pipelined_step_ms"] > 0
     assert recs[0]["median_step_ms_ratio_to_reference"] == 1.0
     assert recs[1]["temp_size_in_bytes"] < recs[0]["temp_size_in_bytes"]
     assert recs[1]["gate_temp"] is True
@@ -117,8 +118,21 @@ def test_bench_with_donated_logits(capsys):
     code, recs = run_json(capsys, ["bench", "--format", "json", "--donate", "--batch", "2",
                                    "--time", "8", "--vocab", "128", "--iters", "2", "--warmup", "1"])
     assert code == 0 and all(r["donate"] for r in recs)
+    # Back-to-back calls would time the fresh copy each donated call needs: not timed.
+    assert all(r["pipelined_step_ms"] is None for r in recs)
     # dlogits take the donated logits' buffer in both implementations.
     assert all(r["alias_size_in_bytes"] == 2 * 8 * 128 * 2 for r in recs)
+
+
+def test_pipelined_ms_waits_for_the_last_call_of_each_round_only():
+    calls, waited = [], []
+
+    def fn():
+        calls.append(len(calls))
+        return len(calls)
+
+    ms = pipelined_ms(fn, calls=5, rounds=3, wait=waited.append)
+    assert len(calls) == 15 and waited == [5, 10, 15] and ms >= 0
 
 
 def test_bench_table_format(capsys):

@@ -9,7 +9,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -94,6 +94,30 @@ def temp_bytes(step, *args) -> int | None:
     return getattr(analysis, "temp_size_in_bytes", None) if analysis else None
 
 
+def pipelined_ms(fn: Callable[[], Any], calls: int, rounds: int = 3,
+                 wait: Callable[[Any], Any] = jax.block_until_ready) -> float:
+    """Median over ``rounds`` of the milliseconds per call of ``calls`` back-to-back calls of
+    ``fn``, waiting (``wait``) for the last result only.
+
+    A call timed alone (host clock around one call and its wait) also holds the host's
+    per-call cost: JAX's dispatch and the wake-up after the device finishes. On an H100 that
+    was about 0.25 ms for a one-kernel ``x * 2`` of ``[2048, 151643]`` bf16 (0.70 ms against
+    torch's 0.45 ms copy of the same bytes). Back to back, the device runs the calls without
+    waiting on the host whenever a call's device work outlasts its dispatch, so this is the
+    device's throughput, as inside a training step. Call ``fn`` once untimed first (compile).
+    """
+    per_call = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn()  # the previous result is freed once its work is done
+        wait(out)
+        per_call.append((time.perf_counter() - t0) / calls)
+        del out
+    return 1e3 * statistics.median(per_call)
+
+
 def measure(impl: str, inp, config, iters: int, warmup: int, show_progress: bool,
             donate: bool = False, sharded=None) -> dict[str, Any]:
     """Compiles and times ``jit(value_and_grad(loss))`` of one implementation.
@@ -136,12 +160,15 @@ def measure(impl: str, inp, config, iters: int, warmup: int, show_progress: bool
                                                      show_progress)]
     stats = jax.devices()[0].memory_stats() or {}
     peak = proc_status_bytes("VmHWM") if rss_before is not None else None
+    # Donated logits need a fresh copy per call, which back-to-back calls would time too.
+    pipelined = None if donate else pipelined_ms(lambda: compiled(inp.logits), iters)
     return {
         "impl": impl,
         **(mesh_flags.collective_fields(compiled) if sharded else {}),
         "avg_step_ms": 1e3 * statistics.fmean(times),
         "median_step_ms": 1e3 * statistics.median(times),
         "min_step_ms": 1e3 * min(times),
+        "pipelined_step_ms": pipelined,
         "first_call_s": first_call_s,
         **memory,
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"),

@@ -83,8 +83,8 @@ class PallasOptions:
         :func:`~.pallas_tpu.one_pass`, on GPU :func:`~.pallas_gpu_one_pass.one_pass` (its
         second read from L2; addresses rows as the ``"aligned"`` layout whatever
         ``gpu_layout``). ``None``: exactly when the TPU kernel runs and the config is
-        token-separable (the GPU one is not yet measured); ``True`` with another config
-        raises; ``False``: the two kernels.
+        token-separable (the GPU one was no faster than the aligned layout on an H100);
+        ``True`` with another config raises; ``False``: the two kernels.
       gpu_layout: How the GPU kernels address a row: ``"rows"`` (tiles from each row's start)
         or ``"aligned"`` (tiles on 16-byte boundaries, no column ids inside them;
         :mod:`~grpo_kernels.ops.logits_loss.pallas_gpu_aligned`; int32 offsets, so
