@@ -100,11 +100,11 @@ def pipelined_ms(fn: Callable[[], Any], calls: int, rounds: int = 3,
     ``fn``, waiting (``wait``) for the last result only.
 
     A call timed alone (host clock around one call and its wait) also holds the host's
-    per-call cost: JAX's dispatch and the wake-up after the device finishes. On an H100 that
-    was about 0.25 ms for a one-kernel ``x * 2`` of ``[2048, 151643]`` bf16 (0.70 ms against
-    torch's 0.45 ms copy of the same bytes). Back to back, the device runs the calls without
-    waiting on the host whenever a call's device work outlasts its dispatch, so this is the
-    device's throughput, as inside a training step. Call ``fn`` once untimed first (compile).
+    per-call cost: JAX's dispatch and the wake-up after the device finishes (a large share of
+    a millisecond step on an H100: docs/benchmarks.md, "Third GPU session"). Back to back, the
+    device runs the calls without waiting on the host whenever a call's device work outlasts
+    its dispatch, so this is the device's throughput, as inside a training step. Call ``fn``
+    once untimed first (compile).
     """
     per_call = []
     for _ in range(rounds):
