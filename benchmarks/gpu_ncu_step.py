@@ -33,10 +33,9 @@ from timing import median_ms  # benchmarks/timing.py
 
 def cudart():
     """The CUDA runtime library (for the profiler window), or None where there is none."""
-    for name in ("cudart", "cudart64_12"):
-        path = ctypes.util.find_library(name)
-        if path:
-            return ctypes.CDLL(path)
+    path = ctypes.util.find_library("cudart")
+    if path:
+        return ctypes.CDLL(path)
     try:  # the wheels' runtime, which importing torch loads into the process
         importlib.import_module("torch")
         return ctypes.CDLL("libcudart.so.13")
@@ -54,14 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20, help="timed calls before the profiled one")
     args = p.parse_args(argv)
-    if min(args.batch, args.time, args.vocab, args.warmup) < 1:
-        p.error("--batch, --time, --vocab and --warmup must be >= 1")
+    if min(args.batch, args.time, args.vocab, args.warmup, args.iters) < 1:
+        p.error("--batch, --time, --vocab, --warmup and --iters must be >= 1")
     config = GRPOLossConfig()
     inp = random_inputs(0, args.batch, args.time, args.vocab, args.dtype, config)
     step = jax.jit(jax.value_and_grad(loss_fn(args.impl, inp, config), has_aux=True))
-    for _ in range(args.warmup):
-        jax.block_until_ready(step(inp.logits))
-    ms = median_ms(lambda: step(inp.logits), args.iters, 1)
+    ms = median_ms(lambda: step(inp.logits), args.iters, args.warmup)
     lib = cudart() if jax.default_backend() == "gpu" else None
     if lib is not None:
         lib.cudaProfilerStart()

@@ -211,12 +211,16 @@ def _speed_targets(label: str, shape: str, ms: dict[str, float], frac: float | N
             r = ms[key] / ms[other]
             out.append(_target(f"{label} / {other} time, {shape}", r, "< 1", r < 1,
                                "" if r < 1 else f"{100 * (r - 1):.1f}% slower"))
-    out.append(_target(f"{label} fraction of copy bandwidth, {shape}", frac,
-                       f">= {MIN_COPY_FRACTION}",
-                       None if frac is None else frac >= MIN_COPY_FRACTION,
-                       "" if frac is None or frac >= MIN_COPY_FRACTION
-                       else f"{100 * (MIN_COPY_FRACTION - frac):.1f} points short"))
+    out.append(_copy_target(f"{label} fraction of copy bandwidth, {shape}", frac))
     return out
+
+
+def _copy_target(name: str, frac: float | None) -> dict[str, Any]:
+    """A fraction of the copy bandwidth against :data:`MIN_COPY_FRACTION`."""
+    return _target(name, frac, f">= {MIN_COPY_FRACTION}",
+                   None if frac is None else frac >= MIN_COPY_FRACTION,
+                   "" if frac is None or frac >= MIN_COPY_FRACTION
+                   else f"{100 * (MIN_COPY_FRACTION - frac):.1f} points short")
 
 
 def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
@@ -230,10 +234,8 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
                               t["pallas"]["copy_fraction"])
         back = t["pallas"].get("pipelined_copy_fraction")
         if back is not None:
-            out.append(_target(f"pallas fraction of copy bandwidth, both back to back, {s}",
-                               back, f">= {MIN_COPY_FRACTION}", back >= MIN_COPY_FRACTION,
-                               "" if back >= MIN_COPY_FRACTION
-                               else f"{100 * (MIN_COPY_FRACTION - back):.1f} points short"))
+            out.append(_copy_target(
+                f"pallas fraction of copy bandwidth, both back to back, {s}", back))
         mem = fig["memory"].get(f"pallas_{s}", {}).get("peak_over_logits_plus_dlogits")
         out.append(_target(f"pallas peak / (logits + dlogits), {s}", mem,
                            f"<= {MAX_PEAK_OVER_LOGITS_PLUS_DLOGITS}",

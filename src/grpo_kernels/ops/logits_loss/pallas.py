@@ -121,7 +121,7 @@ class PallasOptions:
         if self.one_pass not in (None, True, False):
             raise ValueError(f"PallasOptions.one_pass must be None, True or False, "
                              f"got {self.one_pass!r}")
-        if self.gpu_layout not in ("auto", *pallas_gpu.LAYOUTS):
+        if self.gpu_layout not in pallas_gpu.LAYOUT_CHOICES:
             raise ValueError(f"PallasOptions.gpu_layout must be 'auto' or one of "
                              f"{pallas_gpu.LAYOUTS}, "
                              f"got {self.gpu_layout!r}")

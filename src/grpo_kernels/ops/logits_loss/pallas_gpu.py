@@ -56,6 +56,8 @@ class GpuBlocks:
 
 
 LAYOUTS = ("rows", "aligned")
+# What callers may ask for: a layout, or "auto" (plan_blocks picks by the row count).
+LAYOUT_CHOICES = ("auto", *LAYOUTS)
 
 
 def plan_blocks(vocab: int, block_vocab: int | None = None, layout: str = "rows",
@@ -71,7 +73,7 @@ def plan_blocks(vocab: int, block_vocab: int | None = None, layout: str = "rows"
         block_vocab = min(8192, pl.next_power_of_2(vocab))
     if block_vocab & (block_vocab - 1):
         raise ValueError(f"block_vocab must be a power of two on GPU, got {block_vocab}")
-    if layout not in ("auto", *LAYOUTS):
+    if layout not in LAYOUT_CHOICES:
         raise ValueError(f"the GPU layout must be 'auto' or one of {LAYOUTS}, got {layout!r}")
     if layout == "auto":
         layout = "aligned" if n is not None and aligned.fits(n, vocab) else "rows"
