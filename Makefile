@@ -63,18 +63,27 @@ gradcheck-grid: $(STAMP)
 	$(BIN)/grpo-kernels gradcheck --impl xla --grid
 
 # The accelerator proof (docs/kernels.md, "Benchmarks"). Here, with network: the wheels that
-# the GPU image (Python 3.12, no network) lacks for the proof's phases: only liger-kernel, the
-# peer; the loss and bench path needs nothing beyond jax, numpy, pyyaml and tqdm, which it has.
-PROOF_WHEELS := liger-kernel==0.8.5
+# the GPU image (Python 3.12, no network; it has jax, flax, optax, orbax-checkpoint,
+# tensorstore, torch, triton, tokenizers) lacks for the proof's phases: liger-kernel, the peer;
+# google-tunix 0.1.7 and the six packages its loss, model and learner modules import that the
+# image lacks (the step plan's tunix phase; 2.4 MB in all). And, for the step plan's A/B,
+# Qwen2.5's tokenizer from PROOF_TOKENIZER when that folder exists (the run reads it from
+# .whl/qwen2.5-tokenizer; without it the A/B phase is skipped with that reason).
+PROOF_WHEELS := liger-kernel==0.8.5 google-tunix==0.1.7 clu==0.0.12 dill==0.4.1 \
+	google-metrax==0.2.4 googleapis-common-protos==1.76.0 perfetto==0.59.1 tensorboardX==2.6.5
+PROOF_TOKENIZER ?= ../shared/data/qwen2.5-tokenizer
 proof-wheels:
 	$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
 		--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 		--platform manylinux2014_x86_64 -d .whl $(PROOF_WHEELS)
+	if [ -f $(PROOF_TOKENIZER)/tokenizer.json ]; then mkdir -p .whl/qwen2.5-tokenizer && \
+		cp $(PROOF_TOKENIZER)/tokenizer.json $(PROOF_TOKENIZER)/tokenizer_config.json \
+		.whl/qwen2.5-tokenizer/; fi
 
 # There, in the checkout (with .whl carried): the project without its dependencies, the
 # wheels into .whl/site, then every phase (under 8 minutes on an H100).
 # `make gpu-proof PROOF_OUT=$$OUT`; `PROOF_ARGS="--plan layouts"` for the GPU kernel designs'
-# A/B and sweeps instead.
+# A/B and sweeps instead, `PROOF_ARGS="--plan step"` for training steps.
 PROOF_OUT ?= proof-out
 PROOF_ARGS ?=
 gpu-proof:

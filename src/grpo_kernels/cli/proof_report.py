@@ -24,6 +24,22 @@ MIN_COPY_FRACTION = 0.70
 MAX_PEAK_OVER_LOGITS_PLUS_DLOGITS = 1.10
 MIN_HEAD_PEAK_SAVING_BYTES = 4e9
 
+# The step plan's targets: the trainer's update of fused-xla and logits-pallas against
+# logits-reference's (time back to back, device peak), the fused head against Liger's fused loss
+# (device peak against the lower of Liger's two peaks; time against Liger compiled).
+MAX_FUSED_STEP_TIME = 0.8
+MAX_FUSED_STEP_PEAK = 0.5
+MAX_PALLAS_STEP_TIME = 0.9
+MAX_HEAD_TIME_OVER_LIGER_COMPILED = 0.5
+# First-step agreement of an arm with the baseline arm: gradcheck's bfloat16 gates
+# (cli.gradcheck.DEFAULT_TOLERANCES), the loss's absolute + relative and the gradient norm's
+# relative (dlogits_rtol).
+STEP_LOSS_ATOL = STEP_LOSS_RTOL = 1e-4
+STEP_GRAD_NORM_RTOL = 1e-2
+STEP_KEYS = ("median_ms", "pipelined_ms", "peak_bytes_in_use", "bytes_in_use_before",
+             "temp_bytes", "compile_s", "loss", "grad_norm", "layers", "rows", "prompt",
+             "completion", "vocab")
+
 _RECORD_KEYS = {"phase": str, "rc": (int, str), "wall_s": (int, float), "argv": list,
                 "rows": list}
 _TOP_KEYS = {"schema_version": int, "plan": str, "wall_s": (int, float), "machine": dict,
@@ -153,7 +169,104 @@ def figures(records: list[dict]) -> dict[str, Any]:
             fig["liger"][phase[len("liger_"):]] = {
                 "liger": row.get("liger"), "ours_over_liger": row.get("ours_over_liger"),
                 "loss_rel_diff": row.get("loss_rel_diff")}
+    fig["train_step"] = step_table(records, "train_", "logits-reference")
+    fig["tunix_step"] = step_table(records, "tunix_", "tunix")
+    fig["head_peer"] = head_peer(records, fig["memory"])
+    fig["ab"] = {}
+    for row in _rows(records, "ab").get("ab", []):
+        fig["ab"] = {"report": row.get("report"), "curves": row.get("curves"),
+                     "baseline": row.get("baseline"),
+                     "runs": {arm: {k: r.get(k) for k in (
+                         "steps", "rollout_after_step1_s", "update_after_step1_s",
+                         "step_avg_last10_s", "peak_bytes", "step1_loss", "step1_grad_norm",
+                         "step1_loss_ok", "step1_grad_norm_ok")}
+                         for arm, r in (row.get("runs") or {}).items()}}
+        base = fig["ab"]["runs"].get(fig["ab"]["baseline"], {})
+        for r in fig["ab"]["runs"].values():
+            r["update_ratio"] = _ratio(r["update_after_step1_s"], base.get("update_after_step1_s"))
+            r["peak_ratio"] = _ratio(r["peak_bytes"], base.get("peak_bytes"))
     return fig
+
+
+def step_table(records: list[dict], prefix: str, baseline: str) -> dict[str, Any]:
+    """The rows of the step phases named ``prefix + arm``, by arm, each with its ratios to
+    ``baseline``'s (time back to back, device peak) and its first step against it."""
+    out = {phase[len(prefix):]: {k: rows[0].get(k) for k in STEP_KEYS}
+           for phase, rows in _rows(records, prefix).items() if rows}
+    base = out.get(baseline)
+    for arm, r in out.items():
+        if base is None:
+            break
+        r["time_ratio"] = _ratio(r["pipelined_ms"], base["pipelined_ms"])
+        r["peak_ratio"] = _ratio(r["peak_bytes_in_use"], base["peak_bytes_in_use"])
+        r["loss_abs_diff"] = abs(r["loss"] - base["loss"])
+        r["loss_ok"] = r["loss_abs_diff"] <= STEP_LOSS_ATOL + STEP_LOSS_RTOL * abs(base["loss"])
+        r["grad_norm_rel_diff"] = abs(r["grad_norm"] - base["grad_norm"]) / max(
+            abs(base["grad_norm"]), 1e-30)
+        r["grad_norm_ok"] = r["grad_norm_rel_diff"] <= STEP_GRAD_NORM_RTOL
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def head_peer(records: list[dict], memory: dict[str, Any]) -> dict[str, Any]:
+    """The fused head beside Liger (the ``liger_head_modes`` phase): our variants' times and
+    plans, Liger's times and torch peaks, and the device peaks of the variants that the
+    ``memory_head_<dweight>[_<rows>]`` phases measured, each in its own process."""
+    rows = _rows(records, "liger_head_modes").get("liger_head_modes") or [{}]
+    row = rows[0]
+    liger = row.get("liger") or {}
+    ours = {name: dict(v) for name, v in (row.get("ours") or {}).items()}
+    for key, m in memory.items():
+        if key.startswith("head_"):
+            dweight, _, rows_ = key[len("head_"):].partition("_")
+            name = f"xla-{dweight}" + (f"@{rows_}" if rows_ else "")
+            ours.setdefault(name, {})["device_peak_bytes"] = m.get("peak_bytes_in_use")
+    peaks = [v["torch_peak_allocated"] for v in liger.values() if v.get("torch_peak_allocated")]
+    compiled = liger.get("compiled", {}).get("median_ms")
+    for v in ours.values():
+        v["time_over_liger_compiled"] = _ratio(v.get("median_ms"), compiled)
+        v["peak_over_liger"] = _ratio(v.get("device_peak_bytes"), min(peaks) if peaks else None)
+    return {"ours": ours, "liger": liger, "liger_min_peak": min(peaks) if peaks else None,
+            "loss_rel_diff": row.get("loss_rel_diff"), "torch_matmul_ms": row.get(
+                "torch_matmul_ms")}
+
+
+def step_targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
+    """The step plan's numbers, each met, missed or unmeasured (None)."""
+    out = []
+    train = fig.get("train_step", {})
+    for arm, key, wanted in (("fused-xla", "time_ratio", MAX_FUSED_STEP_TIME),
+                             ("fused-xla", "peak_ratio", MAX_FUSED_STEP_PEAK),
+                             ("logits-pallas", "time_ratio", MAX_PALLAS_STEP_TIME)):
+        if arm in train and "logits-reference" in train:
+            v = train[arm].get(key)
+            what = "time, back to back" if key == "time_ratio" else "device peak"
+            out.append(_target(f"update step {arm} / logits-reference {what}", v,
+                               f"<= {wanted}", None if v is None else v <= wanted))
+    for table, base in ((train, "logits-reference"), (fig.get("tunix_step", {}), "tunix")):
+        for arm, r in table.items():
+            if arm == base or "loss_ok" not in r:
+                continue
+            out.append(_target(f"first step loss, {arm} vs {base}", r["loss_abs_diff"],
+                               f"<= {STEP_LOSS_ATOL} + {STEP_LOSS_RTOL}|loss|", r["loss_ok"]))
+            out.append(_target(f"first step gradient norm, {arm} vs {base} (relative)",
+                               r["grad_norm_rel_diff"], f"<= {STEP_GRAD_NORM_RTOL}",
+                               r["grad_norm_ok"]))
+    peer = fig.get("head_peer", {})
+    for name, v in sorted(peer.get("ours", {}).items()):
+        if v.get("peak_over_liger") is not None:
+            r = v["peak_over_liger"]
+            out.append(_target(f"fused head {name} device peak / Liger's lower peak", r, "<= 1",
+                               r <= 1))
+        if v.get("time_over_liger_compiled") is not None and name != "reference":
+            r = v["time_over_liger_compiled"]
+            out.append(_target(f"fused head {name} time / Liger compiled", r,
+                               f"<= {MAX_HEAD_TIME_OVER_LIGER_COMPILED}",
+                               r <= MAX_HEAD_TIME_OVER_LIGER_COMPILED))
+    return out
 
 
 def _winner(tables: list[dict[str, Any]], new: str, old: str, key: str) -> str | None:
@@ -257,11 +370,15 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
     ref, ours = (fig["memory"].get(f"lm_head_{i}", {}).get("peak_bytes_in_use")
                  for i in ("reference", "xla"))
     saving = None if ref is None or ours is None else ref - ours
-    out.append(_target("fused head peak saving vs reference (bytes)", saving,
-                       f">= {MIN_HEAD_PEAK_SAVING_BYTES:.0e}",
-                       None if saving is None else saving >= MIN_HEAD_PEAK_SAVING_BYTES,
-                       "" if saving is not None else "no device memory_stats"))
-    return out
+    peer = fig.get("head_peer") or {}
+    step_plan = any(fig.get(k) for k in ("train_step", "tunix_step", "ab")) or bool(
+        peer.get("ours") or peer.get("liger"))
+    if not step_plan:  # the op plans' head target (unmeasured: None, with the reason)
+        out.append(_target("fused head peak saving vs reference (bytes)", saving,
+                           f">= {MIN_HEAD_PEAK_SAVING_BYTES:.0e}",
+                           None if saving is None else saving >= MIN_HEAD_PEAK_SAVING_BYTES,
+                           "" if saving is not None else "no device memory_stats"))
+    return out + step_targets(fig)
 
 
 def auto_impl(fig: dict[str, Any]) -> str | None:
@@ -305,9 +422,10 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines += [""]
     lines += ["| phase | rc | wall s |", "|---|---|---|"]
     lines += [f"| {r['phase']} | {r['rc']} | {r['wall_s']:.1f} |" for r in report["phases"]]
-    lines += ["", "| shape | impl | median ms | first call s | process peak bytes | "
-              "TB/s (3 V b) | of copy | back to back ms | of copy, back to back |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    if fig["logits"]:
+        lines += ["", "| shape | impl | median ms | first call s | process peak bytes | "
+                  "TB/s (3 V b) | of copy | back to back ms | of copy, back to back |",
+                  "|---|---|---|---|---|---|---|---|---|"]
     for s, t in fig["logits"].items():
         for impl, r in t.items():
             lines.append(f"| {s} | {impl} | {_fmt(r['median_ms'])} | {_fmt(r['first_call_s'])}"
@@ -367,12 +485,64 @@ def to_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {k} | " + ", ".join(f"{n} {t:.4g}".strip() for n, t in times.items())
                          + " | " + ", ".join(f"{n} {r:.3f}" for n, r in
                                              (v["ours_over_liger"] or {}).items()) + " |")
+    lines += step_markdown(fig)
     lines += ["", "| target | value | wanted | met | note |", "|---|---|---|---|---|"]
     lines += [f"| {t['name']} | {_fmt(t['value'])} | {t['target']} | {_fmt(t['met'])} | "
               f"{t['note']} |" for t in report["targets"]]
     lines += ["", f"impl='auto' entry this run supports: {_fmt(report['auto_impl'])} "
               "(docs/kernels.md says how to add it).", ""]
     return "\n".join(lines)
+
+
+def _gb(v: Any) -> str:
+    return "-" if v is None else f"{v / 1e9:.2f}"
+
+
+def step_markdown(fig: dict[str, Any]) -> list[str]:
+    """The step plan's tables (empty where its phases did not run)."""
+    lines: list[str] = []
+    for key, title, base in (("train_step", "trainer update", "logits-reference"),
+                             ("tunix_step", "tunix update", "tunix")):
+        table = fig.get(key) or {}
+        if not table:
+            continue
+        r0 = next(iter(table.values()))
+        lines += ["", f"{title}: {r0.get('layers')} layers, {r0.get('rows')} x "
+                  f"({r0.get('prompt')} + {r0.get('completion')}) tokens, vocabulary "
+                  f"{r0.get('vocab')}; time and peak ratios to {base}", "",
+                  "| arm | ms, alone | ms, back to back | time ratio | device peak GB | "
+                  "peak ratio | planned temp GB | compile s | first loss | first grad norm "
+                  "| loss ok | grad norm ok |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {arm} | {_fmt(r['median_ms'])} | {_fmt(r['pipelined_ms'])} | "
+                  f"{_fmt(r.get('time_ratio'))} | {_gb(r['peak_bytes_in_use'])} | "
+                  f"{_fmt(r.get('peak_ratio'))} | {_gb(r['temp_bytes'])} | "
+                  f"{_fmt(r['compile_s'])} | {_fmt(r['loss'])} | {_fmt(r['grad_norm'])} | "
+                  f"{_fmt(r.get('loss_ok'))} | {_fmt(r.get('grad_norm_ok'))} |"
+                  for arm, r in table.items()]
+    peer = fig.get("head_peer") or {}
+    if peer.get("ours") or peer.get("liger"):
+        lines += ["", "| fused head vs Liger | median ms | planned temp GB | device / torch "
+                  "peak GB | time / Liger compiled | peak / Liger's lower |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| ours {k} | {_fmt(v.get('median_ms'))} | {_gb(v.get('temp_size_in_bytes'))}"
+                  f" | {_gb(v.get('device_peak_bytes'))} | "
+                  f"{_fmt(v.get('time_over_liger_compiled'))} | {_fmt(v.get('peak_over_liger'))} |"
+                  for k, v in peer["ours"].items()]
+        lines += [f"| Liger {k} | {_fmt(v.get('median_ms'))} | - | "
+                  f"{_gb(v.get('torch_peak_allocated'))} | - | - |"
+                  for k, v in peer["liger"].items()]
+    ab = fig.get("ab") or {}
+    if ab.get("runs"):
+        lines += ["", f"trainer A/B ({ab.get('report')}, {ab.get('curves')}): means over the "
+                  "steps after the first (which compiles)", "",
+                  "| arm | rollout s | update s | device peak GB | update ratio | peak ratio | "
+                  "step 1 loss ok | grad norm ok |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {arm} | {_fmt(r['rollout_after_step1_s'])} | "
+                  f"{_fmt(r['update_after_step1_s'])} | {_gb(r['peak_bytes'])} | "
+                  f"{_fmt(r.get('update_ratio'))} | {_fmt(r.get('peak_ratio'))} | "
+                  f"{_fmt(r.get('step1_loss_ok'))} | {_fmt(r.get('step1_grad_norm_ok'))} |"
+                  for arm, r in ab["runs"].items()]
+    return lines
 
 
 def write(out: Path, plan: str, records: list[dict], wall_s: float) -> dict[str, Any]:

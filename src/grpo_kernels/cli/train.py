@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import subprocess
 import sys
 from typing import Any
 
@@ -97,18 +99,39 @@ def run_ab(args: argparse.Namespace) -> int:
                for h, i in arms}  # all validated before any run starts
     for arm, config in configs.items():
         print(f"== {arm}: {config.train.run_dir}", file=sys.stderr)
+        if args.processes == "per-arm":
+            run_arm_process(args, config)
+            continue
         trainer = Trainer(config, progress=not args.no_progress)
         trainer.run()
         del trainer
         gc.collect()
         jax.clear_caches()
-    md, png, _ = ab_report({a: c.train.run_dir for a, c in configs.items()},
+    md, png, summary = ab_report({a: c.train.run_dir for a, c in configs.items()},
                            base.train.run_dir, title=args.title or
                            f"GRPO A/B: {', '.join(configs)} ({base.train.steps} steps)")
     with open(md, encoding="utf-8") as f:
         print(f.read())
     print(f"report: {md}\ncurves: {png}")
+    if args.json:
+        print(json.dumps({"op": "ab", "report": md, "curves": png, **summary}))
     return 0
+
+
+def run_arm_process(args: argparse.Namespace, config: Any) -> None:
+    """One arm of ``ab --processes per-arm``: ``grpo-kernels train`` in a fresh process with
+    ``args``' config and overrides, the arm's head and impl, and its run dir. ValueError when
+    it fails (the runs before it are kept)."""
+    cmd = [sys.executable, "-m", "grpo_kernels.cli.main", "train",
+           *(["--config", args.config] if args.config else []),
+           *(x for item in args.set or [] for x in ("--set", item)),
+           "--set", f"loss.head={config.loss.head}", "--set", f"loss.impl={config.loss.impl}",
+           "--run-dir", config.train.run_dir, "--steps", str(config.train.steps),
+           *(["--no-progress"] if args.no_progress else [])]
+    rc = subprocess.run(cmd, check=False).returncode
+    if rc != 0:
+        raise ValueError(f"arm {config.loss.head}-{config.loss.impl}: `grpo-kernels train` "
+                         f"exited with {rc} (run dir {config.train.run_dir})")
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -178,6 +201,12 @@ def add_parsers(sub: Any) -> None:
                    "loss.impl (auto | reference | xla | pallas) (default: "
                    "logits-reference,fused-xla)")
     p.add_argument("--title", help="title of the report and plot")
+    p.add_argument("--processes", choices=["one", "per-arm"], default="one",
+                   help="one: every arm in this process (default); per-arm: each arm in a "
+                   "fresh `grpo-kernels train` process, so that a GPU's or TPU's peak memory "
+                   "(a process-wide high-water mark) is the arm's own")
+    p.add_argument("--json", action="store_true",
+                   help="also print the report's numbers as one JSON line")
     p.set_defaults(run=run_ab)
 
     p = sub.add_parser("eval", help="greedy accuracy on a problem set",

@@ -39,6 +39,11 @@ def _last_mean(records: Sequence[dict[str, Any]], key: str) -> float:
     return float(np.mean(values)) if values else float("nan")
 
 
+def _after_step1(records: Sequence[dict[str, Any]], key: str) -> float | None:
+    """Mean of ``key`` over the steps after the first (None for a one-step run)."""
+    return float(np.mean([r[key] for r in records[1:]])) if len(records) > 1 else None
+
+
 def _sem(records: Sequence[dict[str, Any]], key: str) -> float:
     values = np.array([r[key] for r in records[-LAST:] if key in r], np.float64)
     return float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else 0.0
@@ -94,6 +99,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "loss_last10": _last_mean(records, "loss"),
             "step_avg_last10_s": records[-1]["time/train/step_avg_last10_s"],
             "update_last10_s": _last_mean(records, "time/train/update_s"),
+            # Step 1 compiles the rollout and update programs; the steps after it do not.
+            "rollout_after_step1_s": _after_step1(records, "time/train/rollout_s"),
+            "update_after_step1_s": _after_step1(records, "time/train/update_s"),
             "peak_bytes": max(r["memory/peak_bytes"] for r in records),
             "peak_rss_bytes": max(r["memory/peak_rss_bytes"] for r in records),
             "reward_trend": reward_trend([r["reward/mean"] for r in records]),
@@ -123,6 +131,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
+def _seconds(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def _mib(x: float) -> str:
     return f"{x / 2 ** 20:,.0f} MiB"
 
@@ -137,6 +149,8 @@ def markdown(summary: dict[str, Any], title: str, png: str | None) -> str:
             ("last-10 mean loss", "loss_last10", lambda v: f"{v:.4g}"),
             ("step_avg_last10_s", "step_avg_last10_s", lambda v: f"{v:.3f}"),
             ("last-10 mean update_s", "update_last10_s", lambda v: f"{v:.3f}"),
+            ("mean rollout_s after step 1", "rollout_after_step1_s", _seconds),
+            ("mean update_s after step 1", "update_after_step1_s", _seconds),
             ("peak memory (update)", "peak_bytes", _mib),
             ("process peak RSS", "peak_rss_bytes", _mib),
             (f"mean reward, first {EDGE} steps", "reward_trend", lambda t: f"{t['first']:.3f}"),

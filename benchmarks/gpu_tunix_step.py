@@ -1,0 +1,143 @@
+"""One tunix update run on the device: tunix's own loss or ours, step time, peak and first step.
+
+    python3 benchmarks/gpu_tunix_step.py --arm tunix        # Qwen2.5-1.5B shape, 4 layers
+    python3 benchmarks/gpu_tunix_step.py --arm fused-xla
+    python3 benchmarks/gpu_tunix_step.py --arm fused-xla --model tiny   # any backend
+
+The program is the one ``benchmarks/tpu_tunix_step.py`` compiles for a TPU: ``jit`` of
+``value_and_grad`` of a tunix policy loss with respect to a tunix model's parameters (a tunix
+Qwen2 of the ``--model`` shape, its first ``--layers`` layers, the whole vocabulary, bf16
+parameters and compute), as tunix's trainer differentiates it, on a ``TrainExample`` of
+``--rows`` rows (beta 0.04, token-mean, low_var_kl, on-policy). Here it runs, on random
+weights and the micro-batch of ``benchmarks/gpu_train_step.py`` (same seed, same numbers;
+the reference log-probs are the model's own, from tunix's log-prob pass, plus noise).
+Arms:
+
+- ``tunix``: tunix 0.1.7's ``grpo_loss_fn`` (``policy_loss_fn="grpo"``): the model's
+  ``[B, P + C, V]`` logits, float32;
+- ``fused-xla``: ours, ``policy_loss_fn="grpo_kernels_fused"`` with the adapter's defaults
+  (``integrations.tunix.fused_policy_loss``: ``LmHeadBlockSizes(dweight="vocab")``);
+- ``xla``: ours, ``policy_loss_fn="grpo_kernels"`` on the completion's logits, impl xla.
+
+One arm per process (the device's peak is then the arm's own); prints one JSON line as
+``gpu_train_step.py`` does. Exit 3 (skipped, with the reason) where tunix is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import gpu_train_step  # noqa: E402
+
+ARMS = ("tunix", "fused-xla", "xla")
+PAD, EOS = 0, 1
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 2)[2])
+    p.add_argument("--arm", choices=ARMS, required=True, help="the policy loss")
+    p.add_argument("--model", choices=sorted(gpu_train_step.MODELS), default="qwen2.5-1.5b",
+                   help="the model's shape (default: qwen2.5-1.5b)")
+    p.add_argument("--layers", type=int, default=4,
+                   help="decoder layers kept, the first N (default: 4)")
+    p.add_argument("--rows", type=int, default=8, help="rows (default: 8)")
+    p.add_argument("--prompt", type=int, default=256, help="prompt width P (default: 256)")
+    p.add_argument("--completion", type=int, default=1024,
+                   help="completion tokens C (default: 1024)")
+    p.add_argument("--iters", type=int, default=5,
+                   help="timed calls; also the back-to-back run's length (default: 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls first (default: 2)")
+    p.add_argument("--seed", type=int, default=0, help="weights and batch (default: 0)")
+    args = p.parse_args(argv)
+    for name in ("rows", "prompt", "completion", "iters"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be at least 0, got {args.warmup}")
+    try:
+        import tpu_train_step
+        tpu_train_step.model_config(args.model, args.layers, gpu_train_step.MODELS)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def policy_loss(arm: str):
+    """The tunix policy loss of ``arm`` (signature: model, example, config, pad, eos)."""
+    from tunix.rl import algo_core
+
+    from grpo_kernels.integrations import tunix as ours
+    if arm == "tunix":
+        return algo_core.grpo_loss_fn
+    if arm == "fused-xla":
+        return functools.partial(ours.fused_policy_loss, impl="xla")
+    return functools.partial(ours.logits_policy_loss, impl="xla")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from flax import nnx
+    from tunix.rl import common
+
+    import tpu_tunix_step
+    model, vocab = tpu_tunix_step.tunix_model(args.model, args.layers, abstract=False,
+                                              seed=args.seed, models=gpu_train_step.MODELS)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    mb = gpu_train_step.micro_batch(args.seed, args.rows, args.prompt, args.completion, vocab)
+    p = args.prompt
+    prompt_ids, completion_ids = jnp.asarray(mb["ids"][:, :p]), jnp.asarray(mb["ids"][:, p:])
+    # tunix's random initialisation is not a trained model's (its log-probs are far from
+    # -log V), so the reference log-probs are the model's own, by tunix's own pass, plus the
+    # micro-batch's noise: a first step's KL term, small and not zero.
+    own = jax.jit(lambda state, a, b: common.compute_per_token_logps(
+        graphdef, state, a, b, PAD, EOS))(nnx.state(model), prompt_ids, completion_ids)
+    ref = own + (jnp.asarray(mb["ref_logps"]) + np.log(vocab))
+    example = common.TrainExample(
+        prompt_ids=prompt_ids, prompt_mask=jnp.asarray(mb["attention"][:, :p]),
+        completion_ids=completion_ids, completion_mask=jnp.asarray(mb["mask"]),
+        advantages=jnp.asarray(mb["advantages"]), ref_per_token_logps=ref,
+        old_per_token_logps=None)
+    del own
+    config = tpu_tunix_step.algo_config()
+    fn = policy_loss(args.arm)
+
+    def loss(params, ex):
+        return fn(nnx.merge(graphdef, params, rest), ex, config, PAD, EOS)[0]
+
+    r = gpu_train_step.measure(jax.jit(jax.value_and_grad(loss)), (params, example),
+                               args.iters, args.warmup)
+    value, grads = r.pop("first")
+    n = args.rows * args.completion
+    return {"op": "tunix-step", "arm": args.arm, "backend": jax.default_backend(),
+            "device_kind": jax.devices()[0].device_kind, "model": args.model,
+            "layers": args.layers, "rows": args.rows, "prompt": args.prompt,
+            "completion": args.completion, "vocab": vocab, "logits_f32_bytes": n * vocab * 4,
+            "loss": float(value), "grad_norm": float(gpu_train_step.global_norm(grads)), **r}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:  # what run() imports, so that a missing dependency of tunix's is named here
+        from tunix.models.qwen2 import model  # noqa: F401
+        from tunix.rl import algo_core, common  # noqa: F401
+    except ImportError as e:
+        print(f"gpu_tunix_step: skipped: needs google-tunix ({e})", file=sys.stderr)
+        return gpu_train_step.SKIPPED
+    row = run(args)
+    print(json.dumps(row), flush=True)
+    return 0 if np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
