@@ -60,7 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="timed calls; also the back-to-back run's length (default: 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls first (default: 2)")
     p.add_argument("--seed", type=int, default=0, help="weights and batch (default: 0)")
+    p.add_argument("--compile-cache", metavar="DIR",
+                   help="JAX's persistent compilation cache (gpu_train_step.py's option)")
     args = p.parse_args(argv)
+    gpu_train_step.use_compile_cache(args.compile_cache)
     for name in ("rows", "prompt", "completion", "iters"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
