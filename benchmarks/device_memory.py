@@ -63,10 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.op == "lm_head" and args.hidden is None:
         p.error("--op lm_head needs --hidden")
-    if (args.dweight or args.chunk_tokens) and (args.op, args.impl) != ("lm_head", "xla"):
+    head_flags = args.dweight is not None or args.chunk_tokens is not None
+    if head_flags and (args.op, args.impl) != ("lm_head", "xla"):
         p.error("--dweight and --chunk-tokens are options of --op lm_head --impl xla")
     head_options = None
-    if args.dweight or args.chunk_tokens:
+    if head_flags:
         try:
             head_options = LmHeadBlockSizes(chunk_tokens=args.chunk_tokens,
                                             dweight=args.dweight or "tokens")

@@ -11,6 +11,12 @@ on the torch side, ``block_until_ready`` on ours), ours / theirs, and torch's pe
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/liger_gpu_peer.py --op logits \\
         --batch 1 --time 2048 --vocab 151643
+    python benchmarks/liger_gpu_peer.py --op lm_head --batch 1 --time 8192 --hidden 4096 \\
+        --vocab 151936 --head-variants xla-tokens,xla-vocab@1024 --liger-modes eager,compiled
+
+``--op lm_head`` times each of our variants (``--head-variants``: the ``LmHeadBlockSizes``
+dweight mode and chunk rows) with XLA's planned temporaries, and each Liger run
+(``--liger-modes``: ``compiled=False`` and ``compiled=True``) with torch's peak.
 """
 
 from __future__ import annotations
@@ -39,8 +45,8 @@ def head_variants(text: str) -> list[tuple[str, tuple[str, object]]]:
 
     out = []
     for name in (s.strip() for s in text.split(",") if s.strip()):
-        variant, _, rows = name.partition("@")
-        if variant not in ("xla", "xla-tokens", "xla-vocab") or (rows and not rows.isdigit()):
+        variant, at, rows = name.partition("@")
+        if variant not in ("xla", "xla-tokens", "xla-vocab") or (at and not rows.isdigit()):
             raise ValueError(f"--head-variants: {name!r} is not xla, xla-tokens or xla-vocab "
                              "with an optional @ROWS")
         fields = {"dweight": variant[4:]} if variant != "xla" else {}

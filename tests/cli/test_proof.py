@@ -366,3 +366,106 @@ def test_dry_run_records_every_phase(tmp_path):
     md = (tmp_path / "proof.md").read_text()
     assert md.startswith("# grpo-kernels proof (dry plan") and "| target |" in md
     assert md in r.stdout
+
+
+STEP_RUN = RESULTS / "gpu_proof8_step_h100_2026-11-26.json"
+
+
+def test_the_step_plan_and_its_dry_twin():
+    names = [n for n, _, _ in proof.phases(set(proof.STEP.groups), proof.STEP)]
+    assert names[:3] == ["nvidia-smi", "versions", "copy_bandwidth"] and names[-1] == "ab"
+    assert [n for n in names if n.startswith("train_")] == [
+        f"train_{arm}" for arm in proof.STEP.train_arms]
+    assert [n for n in names if n.startswith(("compile_", "memory_"))] == [
+        f"{kind}_head_{v}" for v in ("tokens", "vocab", "vocab_1024")
+        for kind in ("compile", "memory")]
+    assert [n for n in names if n.startswith("tunix_")] == ["tunix_tunix", "tunix_fused-xla"]
+    assert not any(n.startswith(("bench", "gradcheck", "gpu_")) for n in names)
+    dry = [n for n, _, _ in proof.phases(set(proof.DRY_STEP.groups), proof.DRY_STEP)]
+    assert [n.rsplit("_", 1)[0] if n.endswith("_8") else n for n in dry] == [
+        n for n in names if n not in ("compile_head_vocab_1024", "memory_head_vocab_1024")]
+    assert proof.plan_of("step", False) is proof.STEP
+    assert proof.plan_of("step", True) is proof.DRY_STEP
+    assert proof.plan_of("real", True) is proof.DRY is proof.plan_of("dry", False)
+    # Every script phase's arguments parse as its script parses them; each compile phase
+    # fills the cache its memory phase reads.
+    sys.path.insert(0, str(proof.benchmarks_dir()))
+    import gpu_train_step
+    import gpu_tunix_step
+    argv = {n: a for n, a, _ in proof.phases(set(proof.STEP.groups), proof.STEP)}
+    for name, a in argv.items():
+        if name.startswith("train_"):
+            assert gpu_train_step.parse_args(a[2:]).layers == proof.STEP.step_layers
+        elif name.startswith("tunix_"):
+            assert gpu_tunix_step.parse_args(a[2:]).rows == proof.STEP.step_batch[0]
+        elif name.startswith("compile_"):
+            memory = argv["memory_" + name[len("compile_"):]]
+            cache = a[a.index("--compile-cache") + 1]
+            assert proof.SCRATCH in cache and memory[memory.index("--compile-cache") + 1] == cache
+    filled = proof._fill(argv["ab"], {proof.SCRATCH: "/s", proof.TOKENIZER: "/t",
+                                      proof.OUT_DIR: "/o"})
+    assert "model.tokenizer=/t" in filled and filled[filled.index("--run-dir") + 1] == "/s/ab"
+
+
+def test_report_of_the_step_h100_run():
+    """The step plan's H100 run: its targets rebuild from its phases; what met and missed."""
+    report = json.loads(STEP_RUN.read_text())
+    proof_report.validate(report)
+    assert report["plan"] == "step" and report["all_phases_ok"]
+    rebuilt = proof_report.build(report["plan"], report["phases"], report["wall_s"])
+    assert rebuilt["targets"] == report["targets"]
+    fig = rebuilt["figures"]
+    train = fig["train_step"]
+    assert train["fused-xla"]["time_ratio"] == pytest.approx(66.49984 / 87.39635, rel=1e-6)
+    assert train["fused-xla"]["peak_ratio"] == pytest.approx(12869817856 / 24963264256)
+    assert all(r["loss_ok"] and r["grad_norm_ok"] for r in train.values())
+    assert "fused-pallas" not in train  # skipped on a GPU, with the reason
+    assert fig["tunix_step"]["fused-xla"]["peak_ratio"] == pytest.approx(9156056832 / 15678095872)
+    head = fig["head_peer"]
+    assert head["liger_min_peak"] == 6562253312
+    assert head["ours"]["xla-tokens"]["device_peak_bytes"] == 9536406016
+    assert head["ours"]["xla-vocab@1024"]["device_peak_bytes"] == 3876717056
+    met = {t["name"]: t["met"] for t in rebuilt["targets"]}
+    assert met["update step fused-xla / logits-reference time, back to back"] is True
+    assert met["update step fused-xla / logits-reference device peak"] is False
+    assert met["update step logits-pallas / logits-reference time, back to back"] is True
+    assert met["fused head xla-tokens time / Liger compiled"] is True
+    assert met["fused head xla-tokens device peak / Liger's lower peak"] is False  # its compile
+    assert set(fig["ab"]["runs"]) == {"logits-reference", "fused-xla"}
+    md = proof_report.to_markdown(rebuilt)
+    assert "| fused-xla | 66.78 | 66.5 | 0.7609 | 12.87 | 0.5156 |" in md
+    assert "| Liger compiled | 517.6 |" in md
+
+
+@pytest.mark.slow
+def test_dry_run_of_the_step_plan(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "grpo_kernels.cli.main", "proof", "--dry-run",
+                        "--plan", "step", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads((tmp_path / "proof.json").read_text())
+    proof_report.validate(report)
+    assert report["plan"] == "dry-step" and report["all_phases_ok"]
+    records = {rec["phase"]: rec for rec in report["phases"]}
+    assert list(records) == [n for n, _, _ in proof.phases(set(proof.STEP_GROUPS),
+                                                           proof.DRY_STEP)]
+    for name, rec in records.items():
+        if name.startswith(("compile_", "memory_", "liger")):  # no memory_stats, no CUDA
+            assert rec["rc"] == 3 and "skipped" in rec["stderr_tail"], name
+        elif name != "nvidia-smi":
+            assert rec["rc"] == 0, (name, rec["stderr_tail"])
+    fig = report["figures"]
+    assert set(fig["train_step"]) == set(proof.DRY_STEP.train_arms)
+    for arm, row in fig["train_step"].items():
+        assert row["loss_ok"] and row["grad_norm_ok"] and row["pipelined_ms"] > 0, arm
+    assert set(fig["tunix_step"]) == {"tunix", "fused-xla"}
+    assert fig["tunix_step"]["fused-xla"]["loss_ok"]
+    runs = fig["ab"]["runs"]
+    assert set(runs) == {"logits-reference", "fused-xla"} and runs["fused-xla"]["step1_loss_ok"]
+    assert all(r["update_after_step1_s"] > 0 for r in runs.values())
+    assert (tmp_path / "ab_report.md").is_file() and (tmp_path / "ab_curves.png").is_file()
+    assert fig["ab"]["report"] == "ab_report.md"
+    names = {t["name"] for t in report["targets"]}
+    assert "update step fused-xla / logits-reference time, back to back" in names
+    assert (tmp_path / "proof.md").read_text() in r.stdout

@@ -59,6 +59,20 @@ def test_summarize_and_markdown():
     assert "| mean reward, first 5 steps |" in text
 
 
+def test_times_after_step_1_leave_out_the_compiling_step():
+    records = _records([0.1, 0.2, 0.3, 0.4])
+    for r, rollout, update in zip(records, (9.0, 1.0, 2.0, 3.0), (7.0, 0.5, 0.25, 0.75)):
+        r.update({"time/train/rollout_s": rollout, "time/train/update_s": update})
+    run = report.summarize({"a": records})["runs"]["a"]
+    assert run["rollout_after_step1_s"] == pytest.approx(2.0)
+    assert run["update_after_step1_s"] == pytest.approx(0.5)
+    assert run["update_last10_s"] == pytest.approx(8.5 / 4)  # step 1's compile included
+    one = report.summarize({"a": records[:1]})["runs"]["a"]
+    assert one["rollout_after_step1_s"] is None
+    assert "| mean update_s after step 1 | - |" in report.markdown(
+        report.summarize({"a": records[:1]}), "t", None)
+
+
 def test_step1_gates_fail_on_a_large_difference():
     base = _records([0.1, 0.2, 0.3])
     other = _records([0.1, 0.2, 0.3], loss0=0.6, grad0=1.5)

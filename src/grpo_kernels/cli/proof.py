@@ -5,7 +5,9 @@ plus the wheels of ``make proof-wheels``; ``make gpu-proof`` does both)::
 
     grpo-kernels proof --out DIR              # the issues' shapes, under 8 minutes on an H100
     grpo-kernels proof --out DIR --plan layouts   # the GPU kernel designs' A/B and sweeps
+    grpo-kernels proof --out DIR --plan step  # training steps (415 s on an H100)
     grpo-kernels proof --out DIR --dry-run    # every phase at tiny shapes, on any backend
+    grpo-kernels proof --out DIR --dry-run --plan step
 
 Each phase is a subprocess with a time limit: copy bandwidth, gradcheck and bench of the
 logits op (reference, xla, pallas), the family's gradcheck through pallas, device peak memory,
@@ -13,6 +15,13 @@ the fused LM head (gradcheck, bench with its matmul floor, memory) and the Liger
 The ``layouts`` group (its own plan, since with it the whole proof would not fit in 8 minutes)
 times the GPU kernel designs against each other: the two layouts and the one-pass kernel, the
 one-pass kernel's tiling sweep and the aligned layout's.
+The ``step`` plan times training steps instead of ops, each arm in its own process so that
+the device's peak is the arm's: the trainer's update of a Qwen2.5-1.5B-shaped model for every
+loss arm (``benchmarks/gpu_train_step.py``), tunix's update with tunix's loss and ours
+(``gpu_tunix_step.py``), the fused head in both ``dweight`` modes beside Liger's fused loss
+eager and compiled (its device peak measured with the program loaded from a compile cache, so
+that XLA:GPU's compile-time autotuning is not counted), and a short trainer A/B
+(``grpo-kernels ab --processes per-arm``, ``configs/gpu_ab.yaml``).
 A failing phase is recorded and the next one still runs. ``DIR/proof.log`` gets every phase's
 output; ``DIR/proof.json`` (rewritten after each phase, so a crash keeps what finished) the
 records, the machine, the derived figures and each target met or missed;
@@ -76,18 +85,19 @@ class Plan:
     step_batch: tuple[int, int, int] = (8, 256, 1024)
     step_iters: int = 5
     train_arms: tuple[str, ...] = ("logits-reference", "logits-xla", "logits-pallas",
-                                   "fused-xla", "fused-xla-vocab", "fused-pallas")
+                                   "fused-xla", "fused-xla-chunk1024", "fused-xla-vocab",
+                                   "fused-pallas")
     tunix_arms: tuple[str, ...] = ("tunix", "fused-xla")
     # The trainer's A/B (configs/gpu_ab.yaml): steps per arm and --set overrides.
     ab_steps: int = 3
     ab_sets: tuple[str, ...] = ()
     # The fused head beside Liger at ``head``: our variants (liger_gpu_peer.py
     # --head-variants: dweight mode @ chunk rows), and those whose device peak is measured
-    # each in its own process (dweight, chunk rows or None for the planner's).
-    head_variants: str = ("xla-tokens,xla-vocab,xla-tokens@1024,xla-vocab@1024,"
-                          "xla-tokens@512,xla-vocab@512")
+    # (dweight, chunk rows or None for the planner's): each compiled in one process, then
+    # loaded from the compile cache and run in another, whose peak is the step's alone.
+    head_variants: str = "xla-tokens,xla-vocab,xla-tokens@1024,xla-vocab@1024"
     head_memory: tuple[tuple[str, int | None], ...] = (
-        ("tokens", None), ("vocab", None), ("tokens", 512), ("vocab", 1024))
+        ("tokens", None), ("vocab", None), ("vocab", 1024))
 
 
 GROUPS = ("env", "layouts", "logits", "lm_head", "liger")
@@ -112,8 +122,8 @@ STEP = dataclasses.replace(REAL, name="step", groups=STEP_GROUPS)
 # The step plan's phases at tiny shapes (CI runs it on the CPU).
 DRY_STEP = dataclasses.replace(
     DRY, name="dry-step", groups=STEP_GROUPS, step_model="tiny", step_layers=2,
-    step_batch=(2, 8, 16), step_iters=2, ab_steps=2, head_variants="xla-tokens,xla-vocab@8",
-    head_memory=(("tokens", None), ("vocab", 8)),
+    step_batch=(2, 8, 16), step_iters=2, ab_steps=2,
+    head_variants="xla-tokens,xla-vocab@8", head_memory=(("tokens", None), ("vocab", 8)),
     ab_sets=("model.random.hidden_size=64", "model.random.intermediate_size=128",
              "model.random.num_layers=1", "model.random.num_heads=4",
              "model.random.num_kv_heads=2", "model.random.head_dim=16",
@@ -242,12 +252,14 @@ def step_phases(groups: set[str], plan: Plan, head: list[object]
     if "head" in groups:
         for i, (dweight, rows_) in enumerate(plan.head_memory):
             name = f"head_{dweight}" + (f"_{rows_}" if rows_ else "")
+            argv = ["--op", "lm_head", "--impl", "xla", *head, "--dtype", "bfloat16",
+                    "--layout", "vh", "--dweight", dweight,
+                    *(["--chunk-tokens", rows_] if rows_ else []),
+                    "--compile-cache", f"{SCRATCH}/cache_{name}"]
             # the buffer assignment of the first two (the files back from a lent GPU are few)
             report = ["--buffer-report", f"{OUT_DIR}/{name}_buffers.txt"] if i < 2 else []
-            out.append((f"memory_{name}", _script(
-                "device_memory.py", "--op", "lm_head", "--impl", "xla", *head, "--dtype",
-                "bfloat16", "--layout", "vh", "--dweight", dweight,
-                *(["--chunk-tokens", rows_] if rows_ else []), *report), 120))
+            out.append((f"compile_{name}", _script("device_memory.py", *argv, *report), 120))
+            out.append((f"memory_{name}", _script("device_memory.py", *argv), 120))
         out.append(("liger_head_modes", _script(
             "liger_gpu_peer.py", "--op", "lm_head", *head, "--dtype", "bfloat16",
             "--head-variants", plan.head_variants, "--liger-modes", "eager,compiled",
@@ -259,14 +271,16 @@ def step_phases(groups: set[str], plan: Plan, head: list[object]
         out.append(("ab", _cli("ab", "--config", configs_dir() / "gpu_ab.yaml",
                                "--arms", "logits-reference,fused-xla", "--processes", "per-arm",
                                "--steps", plan.ab_steps, "--json", "--no-progress",
-                               "--run-dir", AB_RUN_DIR, "--set", f"model.tokenizer={TOKENIZER}",
+                               "--run-dir", f"{SCRATCH}/ab", "--set",
+                               f"model.tokenizer={TOKENIZER}",
                                *(x for item in plan.ab_sets for x in ("--set", item))), 360))
     return out
 
 
-# Placeholders in a phase's argv that run() fills: the A/B's scratch run dir (removed after
-# the phase, its report and curves copied into --out), the tokenizer (--tokenizer) and --out.
-AB_RUN_DIR, TOKENIZER, OUT_DIR = "@AB_RUN_DIR@", "@TOKENIZER@", "@OUT@"
+# Placeholders in a phase's argv that run() fills: a scratch folder removed after the run
+# (the A/B's run dirs, whose report and curves are copied into --out; compile caches), the
+# tokenizer (--tokenizer) and --out.
+SCRATCH, TOKENIZER, OUT_DIR = "@SCRATCH@", "@TOKENIZER@", "@OUT@"
 
 
 def configs_dir() -> Path:
@@ -340,10 +354,10 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     records: list[dict] = []
     with open(out / "proof.log", "w", encoding="utf-8") as log, \
-            tempfile.TemporaryDirectory(prefix="proof_ab_") as scratch:
+            tempfile.TemporaryDirectory(prefix="proof_") as scratch:
         for i, (name, cmd, limit) in enumerate(todo, 1):
             elapsed = time.perf_counter() - start
-            cmd = _fill(cmd, {AB_RUN_DIR: scratch, TOKENIZER: tokenizer, OUT_DIR: str(out)})
+            cmd = _fill(cmd, {SCRATCH: scratch, TOKENIZER: tokenizer, OUT_DIR: str(out)})
             if elapsed > args.budget_s:
                 records.append({"phase": name, "rc": "skipped", "wall_s": 0.0, "argv": cmd,
                                 "rows": [], "reason": f"out of time ({elapsed:.0f} s)"})

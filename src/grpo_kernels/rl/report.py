@@ -40,8 +40,10 @@ def _last_mean(records: Sequence[dict[str, Any]], key: str) -> float:
 
 
 def _after_step1(records: Sequence[dict[str, Any]], key: str) -> float | None:
-    """Mean of ``key`` over the steps after the first (None for a one-step run)."""
-    return float(np.mean([r[key] for r in records[1:]])) if len(records) > 1 else None
+    """Mean of ``key`` over the steps after the first (None for a one-step run, or where the
+    records lack it)."""
+    values = [r[key] for r in records[1:] if key in r]
+    return float(np.mean(values)) if values else None
 
 
 def _sem(records: Sequence[dict[str, Any]], key: str) -> float:
