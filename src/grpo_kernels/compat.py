@@ -1,5 +1,8 @@
 """Small shims over JAX APIs that changed between the releases we support (0.10 and 0.11).
 
+:func:`to_layout` puts ``shard_map``'s arguments in its ``in_specs`` layout on a mesh whose axes
+are Explicit (``jax.make_mesh``'s default), where an array's sharding is part of its type.
+
 Under ``shard_map(..., check_vma=True)`` every array carries the set of mesh axes it varies
 over. A ``pallas_call`` output must declare it: :func:`out_struct` gives the output the union of
 its inputs' sets (the kernel reads them all). JAX 0.10 spells the field ``manual_axis_type`` (a
@@ -13,6 +16,7 @@ import inspect
 from typing import Any, Sequence
 
 import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 _PARAMS = frozenset(inspect.signature(jax.ShapeDtypeStruct).parameters)
 
@@ -70,3 +74,29 @@ def vary_like(tree: Any, *like: Any) -> Any:
     if not axes:
         return tree
     return jax.tree.map(lambda x: vary(x, axes), tree)
+
+
+def explicit_axes(mesh: Mesh) -> bool:
+    """Whether any axis of ``mesh`` is Explicit (``jax.make_mesh``'s default in this jax)."""
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()) or ())
+
+
+def to_layout(tree: Any, specs: Any, mesh: Mesh) -> Any:
+    """Every array of ``tree`` in the layout its ``PartitionSpec`` in ``specs`` (the same
+    structure; ``None`` where ``tree`` has none) names on ``mesh``.
+
+    On Explicit axes an array's sharding is part of its type and ``shard_map`` rejects an
+    argument whose layout is not its ``in_specs`` (e.g. hidden states split over the batch only,
+    as a model hands them, against a sequence-parallel ``P("dp", "tp")``): ``jax.reshard`` moves
+    it, under ``jit`` or not. On Auto axes ``shard_map`` moves its arguments itself, and
+    ``tree`` is returned as it is.
+    """
+    if not explicit_axes(mesh):
+        return tree
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+                                       or x is None)
+    values = treedef.flatten_up_to(tree)
+    moved = [x if x is None or p is None else jax.reshard(x, NamedSharding(mesh, p))
+             for x, p in zip(values, leaves, strict=True)]
+    return treedef.unflatten(moved)

@@ -4,7 +4,8 @@
 
 Joins ``jax.distributed`` on 127.0.0.1 with gloo CPU collectives, builds a global
 ``(dp=2, tp=4)`` mesh whose vocabulary axis spans the processes, and runs both sharded ops
-(xla) on every loss type at token and sequence level. Process 0 writes every loss and gradient,
+(xla) on every loss type at token and sequence level, every other case on a mesh with Explicit
+axes (as ``jax.make_mesh`` makes it) with the inputs split over the batch only. Process 0 writes every loss and gradient,
 gathered to the host, into ``OUT.npz``. Each process makes the same inputs from the same seed
 and puts only its own shards on its devices.
 """
@@ -27,7 +28,7 @@ if die and process_id == num_processes - 1:
     os._exit(17)  # no shutdown: as a crash looks to the others
 
 from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from grpo_kernels import GRPOLossConfig  # noqa: E402
@@ -42,7 +43,8 @@ from tests.sharding.multiprocess_cases import CASES, head_inputs, logits_inputs 
 # pmaxes cross the process boundary.
 devices = np.array(jax.devices()).reshape(4, 2).T
 assert all(len({d.process_index for d in row}) == num_processes for row in devices), devices
-mesh = Mesh(devices, ("dp", "tp"))
+MESHES = (Mesh(devices, ("dp", "tp")),
+          Mesh(devices, ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2))
 spec = ShardingSpec(("dp",), "tp")
 
 
@@ -65,6 +67,7 @@ def scalar(x):
 
 results = {}
 for i, cfg_kwargs in enumerate(CASES):
+    mesh = MESHES[i % 2]
     cfg = GRPOLossConfig(**cfg_kwargs)
     inp = logits_inputs(i, cfg)
     batch = dict(ids=put(inp.ids, "dp"), mask=put(inp.mask, "dp"),
@@ -75,7 +78,9 @@ for i, cfg_kwargs in enumerate(CASES):
         return sharded_grpo_loss(z, batch["ids"], batch["mask"], batch["advantages"],
                                  mesh=mesh, sharding=spec, config=cfg, impl="xla", **kwargs)[0]
 
-    loss, grad = jax.jit(jax.value_and_grad(logits_loss))(put(inp.logits, "dp", None, "tp"))
+    # on the Explicit mesh, the logits split over the batch only: the op moves them itself
+    loss, grad = jax.jit(jax.value_and_grad(logits_loss))(
+        put(inp.logits, "dp", None, None if i % 2 else "tp"))
     results[f"logits_{i}_loss"], results[f"logits_{i}_grad"] = scalar(loss), gather(grad)
 
     hin = head_inputs(i, cfg)

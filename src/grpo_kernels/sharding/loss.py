@@ -26,7 +26,7 @@ from typing import Any, Callable
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from grpo_kernels.compat import vary
+from grpo_kernels.compat import to_layout, vary
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.validate import check_ids_in_range, resolve_impl, validate_token_inputs
@@ -206,7 +206,7 @@ def _run(op: OpKind, primals: Primals, primal_specs: tuple, batch: TokenBatch, *
                              options=options, vocab=vocab)
     fn = jax.shard_map(body, mesh=mesh, in_specs=(primal_specs, batch_specs),
                        out_specs=(scalar, metric_specs), check_vma=not interpreted)
-    return fn(primals, batch)
+    return fn(*to_layout((primals, batch), (primal_specs, batch_specs), mesh))
 
 
 def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array, *,
@@ -221,8 +221,9 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
     over ``sharding.vocab_axis`` of ``mesh``.
 
     Equal to the one-device loss (every normaliser is a whole-batch figure; ``num_items_in_batch``
-    is the whole batch's). Inputs may arrive with any sharding (under ``jit`` XLA moves them to
-    the layout below); nothing of size ``[B, T, V]`` is gathered.
+    is the whole batch's). Inputs may arrive with any sharding, on a mesh of Auto or Explicit
+    axes (``jax.make_mesh``'s default): they are moved to the layout below (by ``shard_map``
+    itself, or by ``jax.reshard`` on Explicit axes); nothing of size ``[B, T, V]`` is gathered.
 
     Layout inside: ``logits`` ``P(batch_axes, None, vocab_axis)``; ``[B, T]`` inputs and the
     per-token metrics ``P(batch_axes, None)``; ``advantages`` ``P(batch_axes)``; the loss and the
