@@ -30,6 +30,7 @@ from grpo_kernels.compat import to_layout, vary
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.validate import check_ids_in_range, resolve_impl, validate_token_inputs
+from grpo_kernels.ops.core.vjp import with_softmax_gradient
 from grpo_kernels.ops.lm_head_loss import api as head_api
 from grpo_kernels.ops.lm_head_loss import pallas_tpu as head_pallas
 from grpo_kernels.ops.lm_head_loss import xla as head_xla
@@ -43,7 +44,6 @@ from grpo_kernels.sharding.vocab import (
     loss_and_metrics,
     reference_statistics,
     split_ids,
-    with_softmax_gradient,
 )
 
 Array = jax.Array

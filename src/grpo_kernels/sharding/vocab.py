@@ -28,21 +28,17 @@ the local logits is the one-device formula with the *global* ``lse``:
     \quad v \in V_k,
 
 so every implementation's gradient kernel serves unchanged, given ``lse`` and ids of ``-1`` on the
-shards that do not own ``y`` (no column matches). :func:`with_softmax_gradient` attaches it.
+shards that do not own ``y`` (no column matches).
+:func:`grpo_kernels.ops.core.vjp.with_softmax_gradient` attaches it.
 """
 
 from __future__ import annotations
-
-import functools
-from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.objective import RowGrad
 from grpo_kernels.ops.core.batch import TokenBatch
-from grpo_kernels.ops.core.vjp import zero_cotangent
 from grpo_kernels.sharding.spec import ShardingSpec
 
 Array = jax.Array
@@ -106,45 +102,6 @@ def reference_statistics(z: Array, hit_ids: Array, temperature: float,
     shifted = jnp.where(_sg(p) > 0, s - lse[..., None], 0.0)
     ent = -spec.vocab_sum(jnp.sum(p * shifted, axis=-1))
     return chosen - lse, ent
-
-
-GradFn = Callable[[Any, Array, Array, RowGrad], Any]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def with_softmax_gradient(grad_fn: GradFn, with_entropy: bool, primals: Any, logp: Array,
-                          ent: Array, lse: Array, entropy: Array,
-                          hit_ids: Array) -> tuple[Array, Array]:
-    r"""This shard's ``parts`` of the log-prob and of the entropy (from :func:`combine`,
-    computed without gradient), given the softmax gradient w.r.t. this shard's ``primals``.
-
-    The backward calls ``grad_fn(primals, hit_ids, lse, RowGrad(g, h, entropy))`` with
-    :math:`g = \bar{\log\pi}` and :math:`h = \bar H` (``[B, T]``; ``h`` only
-    ``with_entropy``, the whole-row ``entropy`` beside it) and returns its cotangents for
-    ``primals``: the implementation's kernel for :math:`\partial L/\partial z` on the local
-    columns (:func:`grpo_kernels.ops.core.online_softmax.softmax_grad`), pulled back to the
-    inputs (logits, or hidden states and head). Since the parts of shard ``j`` depend on the
-    columns of shard ``j`` only here, the sum over shards has exactly the true derivative.
-    """
-    del grad_fn, with_entropy, primals, lse, entropy, hit_ids
-    return logp, ent
-
-
-def _fwd(grad_fn, with_entropy, primals, logp, ent, lse, entropy, hit_ids):
-    del grad_fn, with_entropy
-    return (logp, ent), (primals, logp, ent, lse, entropy, hit_ids)
-
-
-def _bwd(grad_fn, with_entropy, res, cts):
-    primals, logp, ent, lse, entropy, hit_ids = res
-    g, h = cts
-    row = (RowGrad(g.astype(_F32), h.astype(_F32), entropy) if with_entropy
-           else RowGrad(g.astype(_F32)))
-    return (grad_fn(primals, hit_ids, lse, row), zero_cotangent(logp), zero_cotangent(ent),
-            zero_cotangent(lse), zero_cotangent(entropy), zero_cotangent(hit_ids))
-
-
-with_softmax_gradient.defvjp(_fwd, _bwd)
 
 
 def loss_and_metrics(logp: Array, entropy: Array, batch: TokenBatch, config: GRPOLossConfig,

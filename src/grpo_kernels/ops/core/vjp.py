@@ -9,12 +9,14 @@ loss is differentiable w.r.t. the primals only, as TRL's is w.r.t. the logits.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_kernels.objective import RowGrad
 from grpo_kernels.ops.core.dtypes import F32, cast_to
 
 Array = jax.Array
@@ -96,3 +98,44 @@ def loss_from_pieces(stats: Callable, grad: Callable, ids: Array, config: Any,
         return grad(primals, ids, lse, row_grad.scaled(cotangent))
 
     return loss_with_gradient(forward, backward)(primals, batch)
+
+
+GradFn = Callable[[Any, Array, Array, RowGrad], Any]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def with_softmax_gradient(grad_fn: GradFn, with_entropy: bool, primals: Any, logp: Array,
+                          ent: Array, lse: Array, entropy: Array,
+                          hit_ids: Array) -> tuple[Array, Array]:
+    r"""Log-probs and entropies computed without gradient (one device's, or a vocabulary
+    shard's ``parts`` from :func:`grpo_kernels.sharding.vocab.combine`), given the softmax
+    gradient w.r.t. the ``primals`` they came from.
+
+    The backward calls ``grad_fn(primals, hit_ids, lse, RowGrad(g, h, entropy))`` with
+    :math:`g = \bar{\log\pi}` and :math:`h = \bar H` (``[B, T]``; ``h`` only
+    ``with_entropy``, the whole-row ``entropy`` beside it) and returns its cotangents for
+    ``primals``: the implementation's kernel for :math:`\partial L/\partial z` on the local
+    columns (:func:`grpo_kernels.ops.core.online_softmax.softmax_grad`), pulled back to the
+    inputs (logits, or hidden states and head). On a vocabulary shard the parts of shard ``j``
+    depend on the columns of shard ``j`` only here, so the sum over shards has exactly the true
+    derivative.
+    """
+    del grad_fn, with_entropy, primals, lse, entropy, hit_ids
+    return logp, ent
+
+
+def _fwd(grad_fn, with_entropy, primals, logp, ent, lse, entropy, hit_ids):
+    del grad_fn, with_entropy
+    return (logp, ent), (primals, logp, ent, lse, entropy, hit_ids)
+
+
+def _bwd(grad_fn, with_entropy, res, cts):
+    primals, logp, ent, lse, entropy, hit_ids = res
+    g, h = cts
+    row = (RowGrad(g.astype(F32), h.astype(F32), entropy) if with_entropy
+           else RowGrad(g.astype(F32)))
+    return (grad_fn(primals, hit_ids, lse, row), zero_cotangent(logp), zero_cotangent(ent),
+            zero_cotangent(lse), zero_cotangent(entropy), zero_cotangent(hit_ids))
+
+
+with_softmax_gradient.defvjp(_fwd, _bwd)
