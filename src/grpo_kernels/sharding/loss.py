@@ -95,7 +95,7 @@ LOGITS = OpKind(local_vocab=lambda p: p[0].shape[-1], reference_logits=lambda p:
                 pieces=_logits_pieces)
 
 
-def _head_kind(fmt: HeadFormat, seq: tuple[str, int] | None = None) -> OpKind:
+def head_kind(fmt: HeadFormat, seq: tuple[str, int] | None = None) -> OpKind:
     def pieces(primals, impl, options, tau, spec, vocab) -> Pieces:
         hidden, w, _ = primals
         if impl == "xla":
@@ -119,7 +119,7 @@ def _head_kind(fmt: HeadFormat, seq: tuple[str, int] | None = None) -> OpKind:
                   pieces=pieces, vary=vary_primals)
 
 
-def _sequence_split(spec: ShardingSpec, mesh: Mesh, time: int, impl: str,
+def sequence_split(spec: ShardingSpec, mesh: Mesh, time: int, impl: str,
                     options: Any) -> tuple[str, int] | None:
     """``(vocab_axis, k)`` when the XLA head runs sequence-parallel over its vocab axis
     (``hidden`` split over ``T`` there, :func:`grpo_kernels.ops.lm_head_loss.xla.pieces`):
@@ -163,22 +163,32 @@ def _shard_loss(primals: Primals, batch: TokenBatch, *, op: OpKind, config: GRPO
     if one_pass is not None:
         return logits_pallas.one_pass_loss(primals[0], batch, config, one_pass,
                                            spec.batch_sum, spec.batch_gather)
-    tau = config.temperature
-    owned, stat_ids, hit_ids = split_ids(batch.ids, vocab, op.local_vocab(primals), spec)
-    if impl == "reference":
-        logp, ent = reference_statistics(op.reference_logits(primals), hit_ids, tau, spec)
-    else:
-        stats, grad = op.pieces(primals, impl, options, tau, spec, vocab)
-        primals = op.vary(primals, impl, spec)
-        logp_k, lse_k, ent_k = stats(jax.tree.map(jax.lax.stop_gradient, primals), stat_ids)
-        part, ent_part, lse, ent = combine(logp_k, lse_k, ent_k, owned, spec)
-        with_entropy = config.has_entropy_bonus
-        part, ent_part = with_softmax_gradient(grad, with_entropy, primals, part, ent_part, lse,
-                                               ent, hit_ids)
-        logp = spec.vocab_sum(part)
-        if with_entropy:
-            ent = spec.vocab_sum(ent_part)
+    logp, ent = statistics(primals, batch.ids, op=op, spec=spec, impl=impl, options=options,
+                           vocab=vocab, temperature=config.temperature,
+                           with_entropy=config.has_entropy_bonus)
     return loss_and_metrics(logp, ent, batch, config, spec)
+
+
+def statistics(primals: Primals, ids: Array, *, op: OpKind, spec: ShardingSpec, impl: str,
+               options: Any, vocab: int, temperature: float,
+               with_entropy: bool) -> tuple[Array, Array]:
+    """Whole-row ``(logp, entropy)`` ``[B/b, T]`` of one device's block: the implementation's
+    statistics over the local columns combined across the vocab axis
+    (:func:`~grpo_kernels.sharding.vocab.combine`), differentiable through its gradient piece
+    on the local block (the entropy's gradient only ``with_entropy``)."""
+    owned, stat_ids, hit_ids = split_ids(ids, vocab, op.local_vocab(primals), spec)
+    if impl == "reference":
+        return reference_statistics(op.reference_logits(primals), hit_ids, temperature, spec)
+    stats, grad = op.pieces(primals, impl, options, temperature, spec, vocab)
+    primals = op.vary(primals, impl, spec)
+    logp_k, lse_k, ent_k = stats(jax.tree.map(jax.lax.stop_gradient, primals), stat_ids)
+    part, ent_part, lse, ent = combine(logp_k, lse_k, ent_k, owned, spec)
+    part, ent_part = with_softmax_gradient(grad, with_entropy, primals, part, ent_part, lse,
+                                           ent, hit_ids)
+    logp = spec.vocab_sum(part)
+    if with_entropy:
+        ent = spec.vocab_sum(ent_part)
+    return logp, ent
 
 
 def _run(op: OpKind, primals: Primals, primal_specs: tuple, batch: TokenBatch, *,
@@ -273,7 +283,7 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
     vocabulary-sized is gathered. Layout inside: ``hidden`` ``P(batch_axes, None, None)``, or
     for the xla head when ``T`` divides by the vocab axis ``P(batch_axes, vocab_axis, None)``
     (sequence-parallel: each chunk's rows are gathered and its ``dhidden`` scattered back, so
-    no device holds ``[T, H]``; :func:`_sequence_split`); ``lm_head`` ``P(None, vocab_axis)``
+    no device holds ``[T, H]``; :func:`sequence_split`); ``lm_head`` ``P(None, vocab_axis)``
     for ``"hv"`` or ``P(vocab_axis, None)`` for ``"vh"``; ``bias`` ``P(vocab_axis)``; the rest
     as :func:`sharded_grpo_loss`. Gradients come back in the inputs' layouts: ``dlm_head``
     sharded on ``V`` (summed over the batch axes), ``dhidden`` on ``B`` (and ``T`` when
@@ -302,9 +312,9 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
         check_ids_in_range(ids, mask, vocab)
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
                           sampler_weights, sampler_logps)
-    seq = _sequence_split(spec, mesh, hidden.shape[1], impl, options)
+    seq = sequence_split(spec, mesh, hidden.shape[1], impl, options)
     primal_specs = (spec.rows(3) if seq is None else spec.steps(),
                     spec.head(fmt.layout), None if bias is None else spec.vector())
-    return _run(_head_kind(fmt, seq), (hidden, lm_head, bias), primal_specs, batch, mesh=mesh,
+    return _run(head_kind(fmt, seq), (hidden, lm_head, bias), primal_specs, batch, mesh=mesh,
                 spec=spec, config=config, impl=impl, options=options, vocab=vocab,
                 default_options=head_pallas.LmHeadPallasOptions())

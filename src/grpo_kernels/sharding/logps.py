@@ -1,0 +1,113 @@
+"""The forward-only log-prob ops under ``shard_map``: ``B`` over batch axes, ``V`` over a vocab
+axis, the same body as the losses (:func:`grpo_kernels.sharding.loss.statistics`).
+
+Per device, the implementation's statistics of its block (logits ``[B/b, T, V/k]``, or hidden
+states and a head shard) are combined across the vocab axis with ``[B/b, T]``-sized
+collectives only (:mod:`grpo_kernels.sharding.vocab`); the log-probs come back
+``P(batch_axes, None)``, equal to the one-device op's, and differentiable (the gradient piece
+runs on the local block with the whole row's ``lse``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from grpo_kernels.compat import to_layout
+from grpo_kernels.ops.lm_head_loss import api as head_api
+from grpo_kernels.ops.lm_head_loss import pallas_tpu as head_pallas
+from grpo_kernels.ops.logits_loss import api as logits_api
+from grpo_kernels.ops.logits_loss import pallas as logits_pallas
+from grpo_kernels.ops.logps.api import check_logits, check_temperature, check_token_ids
+from grpo_kernels.ops.core.validate import resolve_impl
+from grpo_kernels.sharding.loss import LOGITS, OpKind, head_kind, sequence_split, statistics
+from grpo_kernels.sharding.spec import ShardingSpec, resolve
+
+Array = jax.Array
+
+
+def _run(op: OpKind, primals: tuple, primal_specs: tuple, ids: Array, *, mesh: Mesh,
+         spec: ShardingSpec, impl: str, options: Any, vocab: int, temperature: float,
+         return_entropy: bool, default_options: Any) -> Array | tuple[Array, Array]:
+    interpreted = impl == "pallas" and bool((options or default_options).resolved_interpret())
+    rows = spec.rows(2)
+    body = functools.partial(statistics, op=op, spec=spec, impl=impl, options=options,
+                             vocab=vocab, temperature=temperature, with_entropy=return_entropy)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(primal_specs, rows), out_specs=(rows, rows),
+                       check_vma=not interpreted)
+    logp, ent = fn(*to_layout((primals, ids), (primal_specs, rows), mesh))
+    return (logp, ent) if return_entropy else logp
+
+
+def sharded_token_logps(logits: Array, ids: Array, *, mesh: Mesh, sharding: ShardingSpec,
+                        temperature: float = 1.0, return_entropy: bool = False,
+                        impl: str = "auto", options: Any = None,
+                        check_ids: bool = False) -> Array | tuple[Array, Array]:
+    """:func:`grpo_kernels.token_logps` with ``B`` split over ``sharding.batch_axes`` and ``V``
+    over ``sharding.vocab_axis`` of ``mesh``.
+
+    Layout inside: ``logits`` ``P(batch_axes, None, vocab_axis)``, ``ids`` and the results
+    ``P(batch_axes, None)``; inputs in any other layout (on Auto or Explicit axes) are moved
+    there first. Nothing vocabulary-sized crosses devices.
+
+    Args:
+      logits, ids, temperature, return_entropy, impl, options, check_ids: as
+        :func:`grpo_kernels.token_logps` (``options`` apply to each device's block).
+      mesh: The device mesh.
+      sharding: Which mesh axes split ``B`` and ``V``.
+
+    Raises:
+      ValueError: bad arguments, a mesh without the named axes, or ``B``/``V`` not divisible
+        by their axes.
+    """
+    b, t, vocab = check_logits(logits)
+    tau = check_temperature(temperature)
+    spec = resolve(sharding, mesh, b, vocab, "logits")
+    impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
+    ids = check_token_ids(ids, b, t, vocab, check_ids)
+    return _run(LOGITS, (logits,), (spec.logits(),), ids, mesh=mesh, spec=spec, impl=impl,
+                options=options, vocab=vocab, temperature=tau, return_entropy=return_entropy,
+                default_options=logits_pallas.PallasOptions())
+
+
+def sharded_token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *, mesh: Mesh,
+                                    sharding: ShardingSpec, lm_head_layout: str = "hv",
+                                    bias: Array | None = None, temperature: float = 1.0,
+                                    logits_dtype: Any = None, return_entropy: bool = False,
+                                    impl: str = "auto", options: Any = None,
+                                    check_ids: bool = False) -> Array | tuple[Array, Array]:
+    """:func:`grpo_kernels.token_logps_from_hidden` with ``B`` split over
+    ``sharding.batch_axes`` and the head's ``V`` over ``sharding.vocab_axis``.
+
+    Layouts inside as :func:`grpo_kernels.sharding.sharded_grpo_loss_from_hidden` (the xla head
+    sequence-parallel over the vocab axis when ``T`` divides by it); results
+    ``P(batch_axes, None)``. No device holds ``[B, T, V]`` or ``[T, V]``; the collectives are
+    ``[B/b, T]``-sized (and, sequence-parallel, each chunk's hidden rows).
+
+    Args:
+      hidden, lm_head, ids, lm_head_layout, bias, temperature, logits_dtype, return_entropy,
+        impl, options, check_ids: as :func:`grpo_kernels.token_logps_from_hidden`.
+      mesh: The device mesh.
+      sharding: Which mesh axes split ``B`` and ``V``.
+
+    Raises:
+      ValueError: as :func:`sharded_token_logps`.
+    """
+    fmt = head_api.validate_head(hidden, lm_head, lm_head_layout, bias, logits_dtype)
+    b, t, _ = hidden.shape
+    vocab = fmt.vocab(lm_head)
+    tau = check_temperature(temperature)
+    spec = resolve(sharding, mesh, b, vocab, "hidden/lm_head")
+    impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
+    ids = check_token_ids(ids, b, t, vocab, check_ids)
+    seq = sequence_split(spec, mesh, t, impl, options)
+    primal_specs = (spec.rows(3) if seq is None else spec.steps(), spec.head(fmt.layout),
+                    None if bias is None else spec.vector())
+    return _run(head_kind(fmt, seq), (hidden, lm_head, bias), primal_specs, ids, mesh=mesh,
+                spec=spec, impl=impl, options=options, vocab=vocab, temperature=tau,
+                return_entropy=return_entropy,
+                default_options=head_pallas.LmHeadPallasOptions())
+

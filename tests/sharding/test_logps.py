@@ -1,0 +1,108 @@
+"""The sharded log-prob ops equal the one-device ops (values and gradients), on every mesh of the
+loss tests, with ``[B, T]``-sized collectives only."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+from grpo_kernels import (
+    LmHeadPallasBlockSizes,
+    LmHeadPallasOptions,
+    PallasBlockSizes,
+    PallasOptions,
+    token_logps,
+    token_logps_from_hidden,
+)
+from grpo_kernels.sharding import (
+    ShardingSpec,
+    sharded_token_logps,
+    sharded_token_logps_from_hidden,
+)
+from grpo_kernels.sharding.hlo import collectives
+from tests.helpers import as64, rel_err
+from tests.sharding.conftest import MESHES, make, mesh_id
+
+B, T, V, H = 8, 6, 256, 32
+# Each implementation meets two meshes; the four meshes meet reference, xla and pallas.
+CASES = [(MESHES[0], "xla"), (MESHES[1], "pallas"), (MESHES[2], "reference"),
+         (MESHES[3], "xla"), (MESHES[1], "xla"), (MESHES[2], "pallas")]
+
+
+def _options(impl, head):
+    if impl != "pallas":
+        return None
+    if head:
+        return LmHeadPallasOptions(blocks=LmHeadPallasBlockSizes(block_rows=16, block_vocab=128))
+    return PallasOptions(kernel="tpu", blocks=PallasBlockSizes(block_rows=16, block_vocab=128))
+
+
+def _grads(f, *args):
+    ct = jax.random.normal(jax.random.key(9), (2, B, T))
+
+    def scalar(*a):
+        logp, ent = f(*a)
+        return jnp.sum(ct[0] * logp + ct[1] * ent), (logp, ent)
+    return jax.jit(jax.value_and_grad(scalar, argnums=tuple(range(len(args))),
+                                      has_aux=True))(*args)
+
+
+def _same(got, want, tol=2e-5):
+    (_, (logp, ent)), grads = got
+    (_, (logp_r, ent_r)), grads_r = want
+    np.testing.assert_allclose(as64(logp), as64(logp_r), atol=tol)
+    np.testing.assert_allclose(as64(ent), as64(ent_r), atol=tol)
+    for g, g_r in zip(grads, grads_r, strict=True):
+        assert g.shape == g_r.shape and rel_err(g, g_r) <= tol
+
+
+@pytest.mark.parametrize("m, impl", CASES, ids=[f"{mesh_id(m)}-{i}" for m, i in CASES])
+def test_logits_logps_equal_one_device(m, impl):
+    mesh, spec = make(m)
+    k1, k2 = jax.random.split(jax.random.key(1))
+    z = 3 * jax.random.normal(k1, (B, T, V))
+    ids = jax.random.randint(k2, (B, T), 0, V)
+    opts = _options(impl, head=False)
+    got = _grads(lambda z: sharded_token_logps(z, ids, mesh=mesh, sharding=spec, impl=impl,
+                                               options=opts, temperature=0.7,
+                                               return_entropy=True), z)
+    want = _grads(lambda z: token_logps(z, ids, impl="reference", temperature=0.7,
+                                        return_entropy=True), z)
+    _same(got, want)
+
+
+@pytest.mark.parametrize("m, impl", CASES, ids=[f"{mesh_id(m)}-{i}" for m, i in CASES])
+def test_hidden_logps_equal_one_device(m, impl):
+    mesh, spec = make(m)
+    k = jax.random.split(jax.random.key(2), 4)
+    h = jax.random.normal(k[0], (B, T, H))
+    w = 0.5 * jax.random.normal(k[1], (V, H))
+    bias = 0.1 * jax.random.normal(k[2], (V,))
+    ids = jax.random.randint(k[3], (B, T), 0, V)
+    opts = _options(impl, head=True)
+    kw = dict(lm_head_layout="vh", return_entropy=True, temperature=1.3)
+    got = _grads(lambda h, w, b: sharded_token_logps_from_hidden(
+        h, w, ids, mesh=mesh, sharding=spec, bias=b, impl=impl, options=opts, **kw), h, w, bias)
+    want = _grads(lambda h, w, b: token_logps_from_hidden(h, w, ids, bias=b, impl="reference",
+                                                          **kw), h, w, bias)
+    _same(got, want)
+
+
+def test_explicit_mesh_batch_split_inputs_and_collective_sizes():
+    """On a jax.make_mesh mesh (Explicit axes), with hidden states split over the batch only
+    and a head split over nothing: the same log-probs, and no collective larger than a chunk
+    of hidden rows or the [B/b, T] statistics."""
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
+    spec = ShardingSpec(("dp",), "tp")
+    k = jax.random.split(jax.random.key(3), 3)
+    h = jax.device_put(jax.random.normal(k[0], (B, 8, H)),
+                       jax.sharding.NamedSharding(mesh, jax.P("dp")))
+    w = 0.5 * jax.random.normal(k[1], (H, V))
+    ids = jax.random.randint(k[2], (B, 8), 0, V)
+    f = jax.jit(lambda h, w: sharded_token_logps_from_hidden(h, w, ids, mesh=mesh,
+                                                             sharding=spec, impl="xla"))
+    np.testing.assert_allclose(as64(f(h, w)), as64(token_logps_from_hidden(
+        jnp.asarray(h), w, ids, impl="reference")), atol=2e-5)
+    largest = max(c.elements for c in collectives(f.lower(h, w).compile().as_text()))
+    assert largest < V * 8  # nothing of [T, V]; chunks of hidden rows and [B/b, T] vectors
