@@ -22,9 +22,10 @@ that need it (``pip install grpo-kernels[tunix]``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from typing import Any, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,7 @@ from grpo_kernels.ops.lm_head_loss.xla import LmHeadBlockSizes
 from grpo_kernels.ops.logits_loss.api import default_impl as default_logits_impl
 from grpo_kernels.ops.logits_loss.api import grpo_loss
 from grpo_kernels.ops.logits_loss.pallas import PallasOptions
+from grpo_kernels.ops.logps.api import token_logps_from_hidden
 
 Array = jax.Array
 
@@ -153,11 +155,20 @@ def _accepts_segment_ids(model: Any) -> bool:
 
 
 def model_inputs(model: Any, train_example: Any, pad_id: int, eos_id: int) -> dict[str, Any]:
-    """The model's arguments for prompt + completion, made by tunix's own ``process_ids``."""
+    """The model's arguments for a ``TrainExample``'s prompt + completion
+    (:func:`token_inputs`)."""
+    return token_inputs(model, train_example.prompt_ids, train_example.completion_ids, pad_id,
+                        eos_id)
+
+
+def token_inputs(model: Any, prompt_ids: Array, completion_ids: Array, pad_id: int,
+                 eos_id: int) -> dict[str, Any]:
+    """The model's arguments for prompt + completion, made by tunix's own ``process_ids``
+    (segment ids only for a model whose ``__call__`` takes them, as tunix passes them)."""
     from tunix.rl import common
 
-    tokens, positions, attn_mask, seg_ids = common.process_ids(
-        train_example.prompt_ids, train_example.completion_ids, pad_id, eos_id)
+    tokens, positions, attn_mask, seg_ids = common.process_ids(prompt_ids, completion_ids,
+                                                               pad_id, eos_id)
     out = {"input_tokens": tokens, "positions": positions, "attention_mask": attn_mask}
     if _accepts_segment_ids(model) and seg_ids is not None:
         out["segment_ids"] = seg_ids
@@ -332,6 +343,128 @@ def register(impl: str = "auto", options: Any = None, fused_options: Any = None,
                           logits_from=logits_from))
     function_registry.register_policy_loss_fn("grpo_kernels_fused")(
         functools.partial(fused_policy_loss, impl=impl, options=fused_options))
+
+
+# --- the log-prob passes ---------------------------------------------------------------------
+
+# tunix's own compute_per_token_logps while ours is bound in its place (patch_log_probs).
+_TUNIX_LOG_PROBS: Any = None
+# The static arguments of tunix's jitted compute_per_token_logps (tunix/rl/common.py).
+STATIC_ARGNAMES: tuple[str, ...] = ("pad_id", "eos_id", "stop_gradient", "return_logits",
+                                    "temperature")
+
+
+def _log_probs_from_hidden(impl: str, options: Any, tunix_fn: Callable) -> Callable:
+    """The jitted pass of :func:`log_probs_function` for the calls it handles: the model
+    read below its logits (or, for a model it cannot read, ``tunix_fn`` inlined)."""
+    from flax import nnx
+
+    @functools.partial(jax.jit, static_argnames=("pad_id", "eos_id", "stop_gradient",
+                                                 "temperature"))
+    def log_probs(graphdef, state, prompt_tokens, completion_tokens, pad_id, eos_id,
+                  stop_gradient=True, temperature=1.0):
+        model = nnx.merge(graphdef, state)
+        if head_blocker(model) is not None:
+            return tunix_fn(graphdef, state, prompt_tokens, completion_tokens, pad_id, eos_id,
+                            stop_gradient=stop_gradient, temperature=temperature)
+        t = completion_tokens.shape[1]
+        hidden, head = completion_hidden(
+            model, token_inputs(model, prompt_tokens, completion_tokens, pad_id, eos_id), t)
+        # tunix divides the logits by the temperature unless it is 0 or 1
+        tau = 1.0 if temperature in (0, 0.0, 1, 1.0) else temperature
+        logps = token_logps_from_hidden(hidden, head.weights, completion_tokens,
+                                        lm_head_layout=head.layout, logits_dtype=head.dtype,
+                                        temperature=tau, impl=impl,
+                                        options=fused_options(impl, options))
+        return jax.lax.stop_gradient(logps) if stop_gradient else logps
+
+    return log_probs
+
+
+def log_probs_function(impl: str = "auto", options: Any = None,
+                       tunix_fn: Callable | None = None) -> Callable:
+    r"""A drop-in for ``tunix.rl.common.compute_per_token_logps`` (tunix 0.1.7): same
+    signature, same static arguments, same results, without the ``[B, P + T, V]`` logits.
+
+    For a model :func:`~grpo_kernels.integrations.tunix_modules.head_blocker` lets us read, the
+    completion's log-probs come from the hidden states of the completion positions only
+    (:func:`~grpo_kernels.integrations.tunix_modules.completion_hidden`) through
+    :func:`grpo_kernels.token_logps_from_hidden` (``impl``, ``options``: as there; ``None``:
+    :func:`fused_options`' choice), the head's logits rounded to the model's dtype as its own
+    einsum rounds them, divided by the temperature as tunix divides them (unless it is 0 or
+    1). Every other call goes to ``tunix_fn`` (default: tunix's function) unchanged:
+    ``return_logits=True``, packed ``segment_ids`` or ``segment_positions``, ``images``, a
+    negative temperature, any keyword it does not know, and a model it cannot read.
+    """
+    if tunix_fn is None:
+        from tunix.rl import common
+
+        tunix_fn = _TUNIX_LOG_PROBS or common.compute_per_token_logps
+    ours = _log_probs_from_hidden(impl, options, tunix_fn)
+
+    def compute_per_token_logps(graphdef, state, prompt_tokens, completion_tokens, pad_id,
+                                eos_id, images=None, stop_gradient=True, return_logits=False,
+                                segment_ids=None, segment_positions=None, temperature=1.0,
+                                **unknown):
+        theirs = (unknown or return_logits or images is not None or segment_ids is not None
+                  or segment_positions is not None or not temperature >= 0)
+        if theirs:
+            return tunix_fn(graphdef, state, prompt_tokens, completion_tokens, pad_id, eos_id,
+                            images=images, stop_gradient=stop_gradient,
+                            return_logits=return_logits, segment_ids=segment_ids,
+                            segment_positions=segment_positions, temperature=temperature,
+                            **unknown)
+        return ours(graphdef, state, prompt_tokens, completion_tokens, pad_id, eos_id,
+                    stop_gradient=stop_gradient, temperature=temperature)
+
+    compute_per_token_logps.grpo_kernels = True  # how patch_log_probs knows its own
+    return compute_per_token_logps
+
+
+def patch_log_probs(impl: str = "auto", options: Any = None) -> None:
+    """Binds :func:`log_probs_function` in place of ``tunix.rl.common.
+    compute_per_token_logps``.
+
+    Every tunix caller looks the function up in that module when it calls it: the reference
+    log-probs (the inference worker), the old-policy log-probs (the vanilla rollout), the
+    agentic anchor pass; so after this call a whole GRPO iteration holds no ``[B, P + T, V]``
+    array for a model our adapter reads (with ``policy_loss_fn="grpo_kernels_fused"`` for the
+    update). Calling it again replaces the bound options; tunix's own function is kept for
+    :func:`unpatch_log_probs`.
+    """
+    global _TUNIX_LOG_PROBS
+    from tunix.rl import common
+
+    current = common.compute_per_token_logps
+    if _TUNIX_LOG_PROBS is None:
+        if getattr(current, "grpo_kernels", False):
+            raise ValueError("tunix.rl.common.compute_per_token_logps is already a grpo_kernels "
+                             "function that this module did not bind; unbind it first")
+        _TUNIX_LOG_PROBS = current
+    common.compute_per_token_logps = log_probs_function(impl, options, _TUNIX_LOG_PROBS)
+
+
+def unpatch_log_probs() -> None:
+    """Restores tunix's own ``compute_per_token_logps`` (the function object it had before
+    :func:`patch_log_probs`); a no-op when nothing is bound."""
+    global _TUNIX_LOG_PROBS
+    if _TUNIX_LOG_PROBS is None:
+        return
+    from tunix.rl import common
+
+    common.compute_per_token_logps = _TUNIX_LOG_PROBS
+    _TUNIX_LOG_PROBS = None
+
+
+@contextlib.contextmanager
+def log_probs_patched(impl: str = "auto", options: Any = None) -> Iterator[None]:
+    """``with log_probs_patched(): ...``: :func:`patch_log_probs` inside the block,
+    :func:`unpatch_log_probs` after it (also on an exception)."""
+    patch_log_probs(impl, options)
+    try:
+        yield
+    finally:
+        unpatch_log_probs()
 
 
 register()

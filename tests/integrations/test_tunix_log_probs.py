@@ -1,0 +1,154 @@
+"""``patch_log_probs``: tunix's ``compute_per_token_logps`` without ``[B, P + T, V]``. Parity
+with tunix's own function for every model family our adapter reads; every case it does not
+handle goes to tunix's function unchanged; patching and unpatching restore tunix's object."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("tunix", reason="google-tunix is not installed (make test installs it)")
+
+from flax import nnx  # noqa: E402
+from tunix.rl import common  # noqa: E402
+
+from grpo_kernels.integrations import tunix as ours  # noqa: E402
+from tests.integrations.tunix_models import EOS, PAD, tiny_model, train_example  # noqa: E402
+
+TUNIX = common.compute_per_token_logps
+
+
+def _args(model, seed=1):
+    ex = train_example(model, seed=seed)
+    graphdef, state = nnx.split(model)
+    return graphdef, state, ex.prompt_ids, ex.completion_ids
+
+
+def _rel(a, b):
+    """Max |a - b| over max |b| (the difference itself where b is all zero)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = np.max(np.abs(b))
+    return float(np.max(np.abs(a - b)) / (scale if scale > 0 else 1.0))
+
+
+@pytest.mark.parametrize("family, tied, tau", [
+    ("qwen2", True, 1.0), ("qwen2", False, 0.7), ("qwen3", True, 0.7), ("qwen3", False, 1.0),
+    ("llama3", False, 0.7), ("llama3", True, 0.0), ("gemma3", True, 0.7), ("gemma", True, 1.0)])
+def test_patched_pass_equals_tunix(family, tied, tau):
+    model = tiny_model(family, seed=2, tied=tied)
+    graphdef, state, prompt, completion = _args(model)
+    want = TUNIX(graphdef, state, prompt, completion, PAD, EOS, temperature=tau)
+    got = ours.log_probs_function("xla")(graphdef, state, prompt, completion, PAD, EOS,
+                                         temperature=tau)
+    assert got.dtype == jnp.float32 and got.shape == want.shape
+    assert _rel(got, want) <= 1e-5, (family, tied, tau)
+
+
+def test_bf16_model_within_rounding():
+    model = tiny_model("qwen3", seed=3, dtype=jnp.bfloat16)
+    graphdef, state, prompt, completion = _args(model)
+    want = TUNIX(graphdef, state, prompt, completion, PAD, EOS)
+    got = ours.log_probs_function()(graphdef, state, prompt, completion, PAD, EOS)
+    # both round each logit to bf16 once; the log-softmax's sums differ in order only
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-2, atol=2e-2)
+
+
+def test_gradients_when_not_stopped():
+    """stop_gradient=False: the log-probs' gradient w.r.t. the parameters is tunix's."""
+    model = tiny_model("qwen2", seed=4, tied=True)
+    graphdef, state, prompt, completion = _args(model)
+    w = jax.random.normal(jax.random.key(0), completion.shape)
+
+    def grads(fn):
+        return jax.grad(lambda st: jnp.sum(w * fn(graphdef, st, prompt, completion, PAD, EOS,
+                                                  stop_gradient=False)))(state)
+    want, got = grads(TUNIX), grads(ours.log_probs_function("xla"))
+    for g, g_r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert _rel(g, g_r) <= 1e-5
+
+
+def test_every_case_it_does_not_handle_goes_to_tunix_unchanged():
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return TUNIX(*args, **kwargs)
+
+    model = tiny_model("qwen3", seed=5)
+    graphdef, state, prompt, completion = _args(model)
+    fn = ours.log_probs_function("xla", tunix_fn=spy)
+    logps, logits = fn(graphdef, state, prompt, completion, PAD, EOS, return_logits=True)
+    assert calls[-1]["return_logits"] and logits.shape[-1] == 257
+    positions = jnp.broadcast_to(jnp.arange(prompt.shape[1] + completion.shape[1]),
+                                 (prompt.shape[0], prompt.shape[1] + completion.shape[1]))
+    packed = jnp.concatenate([prompt, completion], axis=1)
+    fn(graphdef, state, prompt[:, :0], packed, PAD, EOS, segment_ids=jnp.ones_like(packed),
+       segment_positions=positions)
+    assert calls[-1]["segment_ids"] is not None
+    fn(graphdef, state, prompt, completion, PAD, EOS, temperature=-1.0)
+    assert calls[-1]["temperature"] == -1.0
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        fn(graphdef, state, prompt, completion, PAD, EOS, logits_to_keep=3)
+    assert calls[-1]["logits_to_keep"] == 3
+    n = len(calls)
+    fn(graphdef, state, prompt, completion, PAD, EOS)  # handled: no call to tunix
+    assert len(calls) == n
+
+
+def test_a_model_it_cannot_read_goes_to_tunix():
+    """A soft-capped Gemma (Gemma 2's final_logit_softcap) and a subclass with its own
+    __call__: tunix's function, inlined in the same jitted pass, gives the numbers."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return TUNIX(*args, **kwargs)
+
+    model = tiny_model("gemma", seed=6, softcap=30.0)
+    graphdef, state, prompt, completion = _args(model)
+    got = ours.log_probs_function("xla", tunix_fn=spy)(graphdef, state, prompt, completion,
+                                                      PAD, EOS)
+    assert calls
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(
+        TUNIX(graphdef, state, prompt, completion, PAD, EOS)))
+
+
+def test_patch_and_unpatch_restore_tunix_function():
+    assert common.compute_per_token_logps is TUNIX
+    ours.patch_log_probs()
+    try:
+        assert common.compute_per_token_logps.grpo_kernels
+        ours.patch_log_probs(impl="xla")  # again: new options, tunix's function kept
+        assert common.compute_per_token_logps is not TUNIX
+    finally:
+        ours.unpatch_log_probs()
+    assert common.compute_per_token_logps is TUNIX
+    ours.unpatch_log_probs()  # nothing bound: a no-op
+    assert common.compute_per_token_logps is TUNIX
+    with pytest.raises(RuntimeError):
+        with ours.log_probs_patched():
+            assert common.compute_per_token_logps.grpo_kernels
+            raise RuntimeError("inside")
+    assert common.compute_per_token_logps is TUNIX
+
+
+def test_patched_pass_plans_no_logits():
+    """Compile-only, V = 16,384, 4 x (128 + 1,024) tokens, no decoder layers (the head and the
+    log-softmax alone, as benchmarks/tunix_memory.py measures them): tunix's pass plans
+    float32 [B, P + T, V] logits; ours no logits-sized temporary at all."""
+    from tunix.models.qwen3 import model as m
+
+    config = m.ModelConfig(num_layers=0, embed_dim=64, hidden_dim=64, num_heads=4, head_dim=16,
+                           num_kv_heads=2, vocab_size=16384, rope_theta=10_000, norm_eps=1e-6,
+                           use_tied_embedding=True, dtype=jnp.bfloat16,
+                           param_dtype=jnp.bfloat16)
+    model = nnx.eval_shape(lambda: m.Qwen3(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    prompt, completion = (jax.ShapeDtypeStruct((4, n), jnp.int32) for n in (128, 1024))
+    logits_f32 = 4 * (128 + 1024) * 16384 * 4
+
+    def temp(fn):
+        return jax.jit(lambda st, p, c: fn(graphdef, st, p, c, PAD, EOS)).lower(
+            state, prompt, completion).compile().memory_analysis().temp_size_in_bytes
+    assert temp(TUNIX) >= logits_f32
+    assert temp(ours.log_probs_function("xla")) < 0.1 * logits_f32
