@@ -11,7 +11,7 @@ from flax import nnx
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.models.config import ModelConfig
 from grpo_kernels.models.decoder import Decoder
-from grpo_kernels.rl.policy import Batch, make_programs, micro_scale
+from grpo_kernels.rl.policy import Batch, loss_on, make_programs, micro_scale
 
 P, C, V = 5, 6, 97
 
@@ -150,6 +150,24 @@ def test_logp_program_returns_the_policy_logps():
     want = np.take_along_axis(logsm, batch.ids[:, P:, None], -1)[..., 0]
     m = batch.mask == 1
     np.testing.assert_allclose(got[m], want[m], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arm", [("fused", "xla"), ("fused", "reference"), ("logits", "xla"),
+                                 ("logits", "pallas")], ids=lambda a: "-".join(a))
+def test_logp_program_equals_the_loss_logp_metric(arm):
+    """The reference and old-policy passes run the forward-only op of the loss's head and
+    implementation; their log-probs are the loss's own (its ``logp`` metric), at a temperature."""
+    model = _model()
+    graphdef, state = nnx.split(model)
+    config = GRPOLossConfig(beta=0.04, temperature=0.7)
+    batch = _batch(rows=3, seed=4, ref=True)
+    _, logp_fn = make_programs(graphdef, head=arm[0], impl=arm[1], config=config,
+                               prompt_width=P)
+    mb = {k: None if v is None else jnp.asarray(v) for k, v in batch.micro(0, 3).items()}
+    got = np.asarray(jax.jit(logp_fn)(state, mb))
+    _, metrics = jax.jit(lambda mb: loss_on(model, mb, head=arm[0], impl=arm[1], config=config,
+                                            prompt_width=P))(mb)
+    np.testing.assert_allclose(got, np.asarray(metrics["logp"]), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("arm", [("fused", "xla"), ("logits", "pallas")],

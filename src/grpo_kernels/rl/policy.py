@@ -40,6 +40,7 @@ from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.ops.lm_head_loss import grpo_loss_from_hidden
 from grpo_kernels.ops.lm_head_loss.lookup import tied_lookup
 from grpo_kernels.ops.logits_loss import grpo_loss
+from grpo_kernels.ops.logps import token_logps, token_logps_from_hidden
 
 Array = jax.Array
 METRIC_NAMES = ("kl", "entropy", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region")
@@ -151,7 +152,8 @@ def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig
     :func:`loss_on`'s).
 
     ``grad_fn(state, mb, scale, num_items)`` returns ``((scale * loss, metrics), grads)``;
-    ``logp_fn(state, mb)`` the completion log-probs ``[M, C]`` (no gradient).
+    ``logp_fn(state, mb)`` the completion log-probs ``[M, C]`` (no gradient), by the
+    forward-only op (:func:`completion_logps`).
     """
     def scaled_loss(state, mb, scale, num_items):
         model = nnx.merge(graphdef, state)
@@ -164,16 +166,37 @@ def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig
 
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
 
-    # The log-prob program needs none of the options that read other inputs.
-    no_kl = dataclasses.replace(config, beta=0.0, sampler_correction=None,
-                                off_policy_mask_threshold=None)
-
     def logp_fn(state, mb):
         model = nnx.merge(graphdef, state)
-        mb = {**mb, "old_logps": None, "ref_logps": None, "sampler_logps": None}
-        _, metrics = loss_on(model, mb, head=head, impl=impl, config=no_kl,
-                             prompt_width=prompt_width, mesh=mesh, sharding=sharding,
-                             options=options, logits_dtype=logits_dtype)
-        return jax.lax.stop_gradient(metrics["logp"])
+        return jax.lax.stop_gradient(completion_logps(
+            model, mb, head=head, impl=impl, prompt_width=prompt_width,
+            temperature=config.temperature, mesh=mesh, sharding=sharding, options=options,
+            logits_dtype=logits_dtype))
 
     return grad_fn, logp_fn
+
+
+def completion_logps(model: Any, mb: dict[str, Any], *, head: str, impl: str,
+                     prompt_width: int, temperature: float, mesh: Any = None,
+                     sharding: Any = None, options: Any = None,
+                     logits_dtype: Any = jnp.float32) -> Array:
+    """The completion tokens' log-probs ``[M, C]`` under ``model`` (the reference and
+    old-policy passes), by the forward-only op of the same head and implementation as the
+    loss: :func:`grpo_kernels.token_logps_from_hidden` for ``fused`` (no ``[M, C, V]``),
+    :func:`grpo_kernels.token_logps` of ``model.logits`` for ``logits``; on a mesh their
+    sharded versions. The same numbers as the loss's ``logp`` metric."""
+    targets = mb["ids"][:, prompt_width:]
+    extra = {} if mesh is None else dict(mesh=mesh, sharding=sharding)
+    if head == "fused":
+        from grpo_kernels.sharding import sharded_token_logps_from_hidden
+
+        hidden, weights = _fused_inputs(model, mb, prompt_width)
+        fn = token_logps_from_hidden if mesh is None else sharded_token_logps_from_hidden
+        return fn(hidden, weights, targets, lm_head_layout="vh", logits_dtype=logits_dtype,
+                  temperature=temperature, impl=impl, options=options, **extra)
+    from grpo_kernels.sharding import sharded_token_logps
+
+    hidden = completion_hidden(model, mb["ids"], mb["attention"], prompt_width)
+    fn = token_logps if mesh is None else sharded_token_logps
+    return fn(model.logits(hidden, logits_dtype), targets, temperature=temperature, impl=impl,
+              options=options, **extra)
