@@ -1,0 +1,109 @@
+"""Time of the forward-only log-prob ops against the plain programs they replace, one process.
+
+    python3 benchmarks/logps_speed.py                     # both ops at the issue's shapes
+    python3 benchmarks/logps_speed.py --op hidden --rows 2048 --hidden 512 --vocab 32768
+
+``--op logits`` (``[B, T, V]`` logits, ``--dtype``): ``grpo_kernels.token_logps`` (impl
+``--impls``) against the plain float32 ``log_softmax`` and gather that a trainer writes
+(``jax.nn.log_softmax`` then ``take_along_axis``; tunix's ``selective_log_softmax`` is the same
+program: a float32 copy, a logsumexp and a gather). ``--op hidden`` (``[N, H]`` hidden states,
+an ``[H, V]`` head): ``grpo_kernels.token_logps_from_hidden`` against one ``[N, H] x [H, V]``
+matmul (float32 accumulation: the floor of any log-prob pass through the head) and against the
+matmul followed by the plain log-softmax. Every contender is jitted and timed in this process,
+in turn, by the median of ``--iters`` calls after ``--warmup``; the ratios are to the first
+contender (the plain program). Inputs are random (logits of standard deviation about 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from timing import median_ms
+
+
+def plain_logps(z, ids):
+    """The float32 log-softmax and gather a trainer writes."""
+    logsm = jax.nn.log_softmax(z.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logsm, ids[..., None], axis=-1)[..., 0]
+
+
+def contenders(args) -> tuple[dict, tuple]:
+    """``({name: jitted fn}, args)`` of ``--op``."""
+    from grpo_kernels import token_logps, token_logps_from_hidden
+
+    dtype = jnp.dtype(args.dtype)
+    k = jax.random.split(jax.random.key(0), 3)
+    impls = [s for s in args.impls.split(",") if s]
+    if args.op == "logits":
+        z = (2 * jax.random.normal(k[0], (args.batch, args.time, args.vocab))).astype(dtype)
+        ids = jax.random.randint(k[1], (args.batch, args.time), 0, args.vocab)
+        fns = {"plain log_softmax + gather": jax.jit(plain_logps)}
+        for impl in impls:
+            fns[f"token_logps {impl}"] = jax.jit(
+                lambda z, ids, impl=impl: token_logps(z, ids, impl=impl))
+        return fns, (z, ids)
+    h = jax.random.normal(k[0], (1, args.rows, args.hidden)).astype(dtype)
+    w = (2 * jax.random.normal(k[1], (args.hidden, args.vocab)) / args.hidden ** 0.5
+         ).astype(dtype)
+    ids = jax.random.randint(k[2], (1, args.rows), 0, args.vocab)
+    matmul = jax.jit(lambda h, w, ids: jnp.einsum("bnh,hv->bnv", h, w,
+                                                  preferred_element_type=jnp.float32))
+    fns = {"one matmul": matmul,
+           "matmul + plain log_softmax": jax.jit(lambda h, w, ids: plain_logps(
+               jnp.einsum("bnh,hv->bnv", h, w, preferred_element_type=jnp.float32), ids))}
+    for impl in impls:
+        fns[f"token_logps_from_hidden {impl}"] = jax.jit(
+            lambda h, w, ids, impl=impl: token_logps_from_hidden(h, w, ids, impl=impl))
+    return fns, (h, w, ids)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 2)[2])
+    p.add_argument("--op", choices=["logits", "hidden", "both"], default="both")
+    p.add_argument("--batch", type=int, default=4, help="--op logits: B (default 4)")
+    p.add_argument("--time", type=int, default=1024, help="--op logits: T (default 1024)")
+    p.add_argument("--rows", type=int, default=2048, help="--op hidden: N (default 2048)")
+    p.add_argument("--hidden", type=int, default=512, help="--op hidden: H (default 512)")
+    p.add_argument("--vocab", type=int, default=32768, help="V (default 32768)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--impls", default="xla", help="our implementations, comma-separated "
+                   "(default: xla)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", help="also write the rows to this file")
+    args = p.parse_args(argv)
+    for name in ("batch", "time", "rows", "hidden", "vocab", "iters"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    rows = []
+    for op in (["logits", "hidden"] if args.op == "both" else [args.op]):
+        args.op = op
+        fns, inputs = contenders(args)
+        base = None
+        for name, fn in fns.items():
+            ms = median_ms(lambda: fn(*inputs), args.iters, args.warmup)
+            base = base or ms
+            row = {"op": op, "contender": name, "median_ms": ms, "ratio": ms / base,
+                   "dtype": args.dtype, "vocab": args.vocab, "backend": jax.default_backend(),
+                   **({"batch": args.batch, "time": args.time} if op == "logits" else
+                      {"rows": args.rows, "hidden": args.hidden})}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print("\n| op | contender | median ms | ratio to the first |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['op']} | {r['contender']} | {r['median_ms']:.2f} | {r['ratio']:.3f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
