@@ -8,15 +8,19 @@ The model is SmolLM2-135M-Instruct (the Q4_1 GGUF of the PyPI package ``llm-smol
 class (tied head). The task is generated two-number additions; the reward is 1 when the
 completion contains the sum, minus a hundredth of its length. tunix does everything else:
 RLCluster (actor, reference and a vanilla rollout on one CPU device), GRPOLearner, its
-optimizer step and metrics. The only change from a stock tunix script is
-``import grpo_kernels.integrations.tunix`` and ``GRPOConfig(policy_loss_fn=...)``.
+optimizer step and metrics, with ``beta = 0.04`` and ``num_iterations = 2``, so both of its
+log-prob passes run (the reference model's and the old policy's). The only change from a stock
+tunix script is ``grpo_kernels.integrations.tunix`` (imported; ``patch_log_probs()`` for the
+passes) and ``GRPOConfig(policy_loss_fn=...)``.
 
-With ``--loss both`` (the default) the two losses run one after the other from the same
-weights and seed; step 1 sees the same rollouts, so its loss and gradient norm must agree
-within the loss tolerances (``STEP1_TOL``). Each run's metrics go to ``OUT/<loss>.jsonl``
-(one line per logged value, appended as tunix logs them); ``OUT/comparison.json`` holds step
-1's figures, each run's wall time and the process's peak RSS after it. Exit status 1 if step 1
-disagrees.
+With ``--loss both`` (the default) two runs go one after the other from the same weights and
+seed: tunix's own (``"grpo"``, its own log-prob passes), then ours (``"grpo_kernels_fused"``,
+the passes patched). Step 1 sees the same rollouts, so its reference and old log-probs must
+agree within ``LOGPS_TOL`` and its loss and gradient norm within the loss tolerances
+(``STEP1_TOL``). Each run's metrics go to ``OUT/<loss>.jsonl`` (one line per logged value,
+appended as tunix logs them; a run's recorder stops listening when its run ends, since tunix's
+listeners outlive its learner); ``OUT/comparison.json`` holds step 1's figures, each run's wall
+time and the process's peak RSS after it. Exit status 1 if step 1 disagrees.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ LOSSES = ("grpo", "grpo_kernels_fused")
 # in summation order only. On-policy, step 1's GRPO loss is a sum of zero-mean advantages
 # (about 1e-7 here), so its difference is judged on the scale of 1, not relative to itself.
 STEP1_TOL = {"loss": 1e-5, "grad_norm": 1e-4}
+# Step 1's reference and old log-probs: max |a - b| over max |a| (float32, summation order).
+LOGPS_TOL = 1e-5
 
 
 class _Tokenizer:
@@ -142,14 +148,21 @@ def reward_contains_sum(prompts: list[str], completions: list[str], answer: list
 
 
 class _Recorder:
-    """A tunix metrics backend that appends every logged scalar to a JSONL file by step."""
+    """A tunix metrics backend that appends every logged scalar to a JSONL file by step.
+
+    tunix registers each backend as a ``jax.monitoring`` listener for the life of the process,
+    so a later run in the same process would log into this one too; after :meth:`stop` it
+    ignores everything."""
 
     def __init__(self, path: str):
-        self.path, self.rows = path, {}
+        self.path, self.rows, self.listening = path, {}, True
         open(path, "w").close()  # one file per run, written as steps complete
 
+    def stop(self) -> None:
+        self.listening = False
+
     def log_scalar(self, event: str, value: Any, **kwargs: Any) -> None:
-        if "step" not in kwargs:  # jax's own monitoring events (compile times) carry no step
+        if not self.listening or "step" not in kwargs:  # jax's own events carry no step
             return
         step = int(kwargs["step"])
         row = self.rows.setdefault(step, {"step": step})
@@ -161,8 +174,49 @@ class _Recorder:
         pass
 
 
+# The tunix methods whose calls of compute_per_token_logps are the two log-prob passes: the
+# inference worker's reference pass, and the vanilla rollout's pass of the old policy
+# (RLCluster.get_old_per_token_logps calls it).
+PASSES = {"get_ref_per_token_logps": "reference_logps", "get_per_token_logps": "old_logps"}
+
+
+class _LogProbRecorder:
+    """Records step 1's log-prob passes as tunix's learner runs them: the first result of
+    ``tunix.rl.common.compute_per_token_logps`` called from each of :data:`PASSES` (the
+    reference pass, the old policy's). The function bound there is wrapped for the run and put
+    back after it."""
+
+    def __init__(self):
+        self.calls: dict[str, Any] = {}
+
+    def __enter__(self):
+        import inspect
+
+        from tunix.rl import common
+
+        self._bound = fn = common.compute_per_token_logps
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            caller = PASSES.get(inspect.stack()[1].function)
+            if caller is not None and caller not in self.calls:
+                import numpy as np
+                self.calls[caller] = np.asarray(out, np.float64)
+            return out
+        common.compute_per_token_logps = recording
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from tunix.rl import common
+
+        common.compute_per_token_logps = self._bound
+
+
 def run_one(loss: str, args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
-    """One GRPO run with ``policy_loss_fn=loss``; returns its per-step metrics and time."""
+    """One GRPO run with ``policy_loss_fn=loss`` (``grpo_kernels_fused`` with the log-prob
+    passes patched); returns its per-step metrics, step 1's log-probs and its time."""
+    import contextlib
+
     import jax
     import optax
     from tunix.rl import rl_cluster as rl_cluster_lib
@@ -170,7 +224,7 @@ def run_one(loss: str, args: argparse.Namespace, out_dir: str) -> dict[str, Any]
     from tunix.rl.rollout import base_rollout
     from tunix.sft import metrics_logger
 
-    import grpo_kernels.integrations.tunix  # noqa: F401  (registers "grpo_kernels_fused")
+    from grpo_kernels.integrations import tunix as gk_tunix  # registers "grpo_kernels_fused"
     from grpo_kernels.models.gguf_loader import load_gguf
     from grpo_kernels.models.tokenizer import TextTokenizer
 
@@ -203,17 +257,29 @@ def run_one(loss: str, args: argparse.Namespace, out_dir: str) -> dict[str, Any]
                     log_dir=os.path.join(out_dir, "tb"),
                     backend_kwargs={"custom_backend": [lambda: recorder]}))))
     learner = GRPOLearner(cluster, GRPOConfig(
-        num_generations=args.num_generations, num_iterations=1, beta=0.04, epsilon=0.2,
+        num_generations=args.num_generations, num_iterations=2, beta=0.04, epsilon=0.2,
         loss_algo="grpo", policy_loss_fn=loss), reward_fns=[reward_contains_sum, reward_brevity],
         data_shuffle_seed=args.seed)
     data = addition_prompts(args.steps * args.batch, args.seed)
     batches = [{key: [row[key] for row in data[i:i + args.batch]] for key in data[0]}
                for i in range(0, len(data), args.batch)]
+    patched = loss != "grpo"
     start = time.perf_counter()
-    learner.train(batches)
+    answered = None
+    with (gk_tunix.log_probs_patched() if patched else contextlib.nullcontext()), \
+            _LogProbRecorder() as logps:
+        try:
+            learner.train(batches)
+            cluster.close()  # flushes the metrics tunix still buffers
+        finally:
+            recorder.stop()
+        if patched:  # the patched function's count of the calls it answered, and tunix's
+            answered = dict(getattr(logps._bound, "calls", {}))
     wall = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"loss_fn": loss, "wall_s": wall, "peak_rss_bytes_so_far": peak,
+    return {"loss_fn": loss, "log_probs": "patched" if patched else "tunix", "wall_s": wall,
+            "peak_rss_bytes_so_far": peak, "log_prob_calls": answered,
+            "step1_logps": logps.calls,
             "steps": [recorder.rows[s] for s in sorted(recorder.rows)]}
 
 
@@ -226,13 +292,25 @@ def _metric(row: dict[str, Any], name: str) -> float | None:
 
 
 def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Step 1's loss and gradient norm of two runs, with their relative differences."""
+    """Step 1's reference and old log-probs, loss and gradient norm of two runs, with their
+    differences."""
+    import numpy as np
+
     firsts = [next((row for row in r["steps"] if _metric(row, "loss") is not None), {})
               for r in runs]
-    out: dict[str, Any] = {"runs": [{k: r[k] for k in ("loss_fn", "wall_s",
-                                                       "peak_rss_bytes_so_far")}
-                                    for r in runs]}
+    out: dict[str, Any] = {"runs": [{k: r.get(k) for k in (
+        "loss_fn", "log_probs", "log_prob_calls", "wall_s", "peak_rss_bytes_so_far")}
+        for r in runs]}
     ok = True
+    passes = [r.get("step1_logps") or {} for r in runs]
+    for name in PASSES.values():
+        diff = None
+        if all(name in p for p in passes) and passes[0][name].shape == passes[1][name].shape:
+            a, b = (np.asarray(p[name], np.float64) for p in passes)
+            diff = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(a))), 1e-30))
+        agree = diff is not None and diff <= LOGPS_TOL
+        ok &= agree
+        out[name] = {"max_rel_diff": diff, "tol": LOGPS_TOL, "agree": agree}
     for name, tol in STEP1_TOL.items():
         a, b = (_metric(f, name) for f in firsts)
         diff = None if a is None or b is None else abs(a - b)
@@ -250,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--loss", default="both", choices=[*LOSSES, "both"],
-                   help="policy_loss_fn to run; both: grpo, then grpo_kernels_fused")
+                   help="policy_loss_fn to run (grpo_kernels_fused with the log-prob passes "
+                   "patched); both: grpo, then grpo_kernels_fused")
     p.add_argument("--steps", type=int, default=5, help="GRPO steps (prompt batches)")
     p.add_argument("--batch", type=int, default=2, help="prompts per step")
     p.add_argument("--num-generations", type=int, default=2, help="completions per prompt")
@@ -280,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     result = compare(runs)
     with open(os.path.join(args.out, "comparison.json"), "w") as f:
         json.dump(result, f, indent=1)
+    for name in ("reference_logps", "old_logps"):
+        r = result[name]
+        print(f"step 1 {name}: tunix's pass vs the patched pass, max relative difference "
+              f"{r['max_rel_diff']!r} (tolerance {r['tol']}): "
+              f"{'agree' if r['agree'] else 'DISAGREE'}")
     for name in STEP1_TOL:
         r = result[name]
         print(f"step 1 {name}: grpo {r['grpo']!r}, grpo_kernels_fused "

@@ -55,18 +55,46 @@ def test_copy_refuses_other_families():
 
 
 def test_compare_flags_a_disagreement():
-    def run(name, loss, norm):
+    ref, old = np.linspace(-3.0, -0.1, 6).reshape(2, 3), np.linspace(-2.0, -0.2, 6).reshape(2, 3)
+
+    def run(name, loss, norm, logps=(ref, old)):
         return {"loss_fn": name, "wall_s": 1.0, "peak_rss_bytes_so_far": 1,
+                "step1_logps": dict(zip(("reference_logps", "old_logps"), logps)),
                 "steps": [{"step": 0, "rewards/train/mean": 0.1},
                           {"step": 1, "actor/train/loss": loss, "actor/train/grad_norm": norm}]}
 
-    same = example.compare([run("grpo", 0.5, 2.0), run("grpo_kernels_fused", 0.5 + 1e-6, 2.0)])
+    same = example.compare([run("grpo", 0.5, 2.0), run("grpo_kernels_fused", 0.5 + 1e-6, 2.0,
+                                                       (ref + 1e-6, old))])
     assert same["agree"] and same["loss"]["abs_diff"] == pytest.approx(1e-6)
+    assert same["reference_logps"]["max_rel_diff"] == pytest.approx(1e-6 / 3)
     assert not example.compare([run("grpo", 0.5, 2.0),
                                 run("grpo_kernels_fused", 0.5, 2.1)])["agree"]
+    off = example.compare([run("grpo", 0.5, 2.0),
+                           run("grpo_kernels_fused", 0.5, 2.0, (ref, old + 1e-3))])
+    assert not off["agree"] and not off["old_logps"]["agree"] and off["reference_logps"]["agree"]
     missing = example.compare([run("grpo", 0.5, 2.0), {**run("grpo_kernels_fused", 0, 0),
                                                        "steps": []}])
     assert not missing["agree"]
+    no_passes = example.compare([run("grpo", 0.5, 2.0), run("grpo_kernels_fused", 0.5, 2.0, ())])
+    assert not no_passes["agree"]
+
+
+def test_a_finished_run_records_nothing_more(tmp_path):
+    """tunix keeps every run's metrics backend registered as a jax.monitoring listener, so a
+    second run's values reached the first run's recorder and the comparison compared the
+    second run with itself. A stopped recorder ignores them."""
+    first, second = (example._Recorder(str(tmp_path / f"{n}.jsonl")) for n in ("a", "b"))
+    for r in (first, second):
+        jax.monitoring.register_scalar_listener(r.log_scalar)
+    try:
+        jax.monitoring.record_scalar("actor/train/loss", 1.0, step=1)
+        first.stop()
+        jax.monitoring.record_scalar("actor/train/loss", 2.0, step=1)
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert first.rows == {1: {"step": 1, "actor/train/loss": 1.0}}
+    assert second.rows == {1: {"step": 1, "actor/train/loss": 2.0}}
+    assert (tmp_path / "a.jsonl").read_text().count("\n") == 1
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -12,7 +12,7 @@ VOCAB = 257  # odd: no tile of any implementation divides it
 
 
 def tiny_model(family: str, seed: int = 0, tied: bool = False, dtype=jnp.float32,
-               softcap: float | None = None):
+               softcap: float | None = None, vocab: int = VOCAB):
     """A 2-layer tunix Qwen2 / Qwen3 / Llama3 / Gemma3 / Gemma with random weights (Gemma's
     heads are always tied; ``softcap``: Gemma's ``final_logit_softcap``, as Gemma 2's)."""
     shape = dict(num_layers=2, embed_dim=32, hidden_dim=64, num_heads=4, head_dim=8,
@@ -21,15 +21,15 @@ def tiny_model(family: str, seed: int = 0, tied: bool = False, dtype=jnp.float32
     if family == "gemma3":
         from tunix.models.gemma3 import model as m
 
-        return m.Gemma3(m.ModelConfig(**shape, num_embed=VOCAB, sliding_window_size=4,
+        return m.Gemma3(m.ModelConfig(**shape, num_embed=vocab, sliding_window_size=4,
                                       param_dtype=jnp.float32), rngs=rngs)
     if family == "gemma":
         from tunix.models.gemma import model as m
 
         return m.Gemma(m.ModelConfig(
-            **shape, num_embed=VOCAB, final_logit_softcap=softcap, use_post_attn_norm=True,
+            **shape, num_embed=vocab, final_logit_softcap=softcap, use_post_attn_norm=True,
             use_post_ffw_norm=True, attention_types=(m.AttentionType.GLOBAL,) * 2), rngs=rngs)
-    common = dict(**shape, vocab_size=VOCAB, rope_theta=10_000, norm_eps=1e-6)
+    common = dict(**shape, vocab_size=vocab, rope_theta=10_000, norm_eps=1e-6)
     if family == "qwen3":
         from tunix.models.qwen3 import model as m
 
@@ -46,18 +46,19 @@ def tiny_model(family: str, seed: int = 0, tied: bool = False, dtype=jnp.float32
 
 
 def train_example(model, seed: int = 0, batch: int = 4, prompt: int = 5, completion: int = 7,
-                  sampler: bool = False, ref: bool = True, noise: float = 0.3):
+                  sampler: bool = False, ref: bool = True, noise: float = 0.3,
+                  vocab: int = VOCAB):
     """A ``TrainExample`` like one GRPO step's: left-padded prompts, right-padded completions
     (one ends at once, one fills the length), advantages ~ N(0, 1), old and reference log-probs
     the model's own plus noise (so the clips and clamps act), sampler weights in [0.2, 2)."""
     from tunix.rl import common
 
     rng = np.random.default_rng(seed)
-    prompt_ids = rng.integers(2, VOCAB, (batch, prompt))
+    prompt_ids = rng.integers(2, vocab, (batch, prompt))
     for b in range(batch):
         prompt_ids[b, :b % prompt] = PAD
     lengths = np.array([1, completion, *rng.integers(1, completion + 1, batch - 2)])
-    completion_ids = rng.integers(2, VOCAB, (batch, completion))
+    completion_ids = rng.integers(2, vocab, (batch, completion))
     mask = (np.arange(completion)[None, :] < lengths[:, None]).astype(np.int32)
     completion_ids = np.where(mask > 0, completion_ids, PAD)
     for b in range(batch):

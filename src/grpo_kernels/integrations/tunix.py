@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
@@ -32,7 +33,8 @@ import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.integrations.tunix_modules import (call_model, completion_hidden,
-                                                     completion_logits, head_blocker)
+                                                     completion_logits, head_blocker,
+                                                     head_vocab)
 from grpo_kernels.objective import log_importance_ratio, token_terms, token_weights
 from grpo_kernels.ops.lm_head_loss.api import default_impl as default_head_impl
 from grpo_kernels.ops.lm_head_loss.api import grpo_loss_from_hidden
@@ -41,6 +43,9 @@ from grpo_kernels.ops.logits_loss.api import default_impl as default_logits_impl
 from grpo_kernels.ops.logits_loss.api import grpo_loss
 from grpo_kernels.ops.logits_loss.pallas import PallasOptions
 from grpo_kernels.ops.logps.api import token_logps_from_hidden
+from grpo_kernels.sharding import (ShardingSpec, sharded_grpo_loss,
+                                   sharded_grpo_loss_from_hidden,
+                                   sharded_token_logps_from_hidden)
 
 Array = jax.Array
 
@@ -237,6 +242,54 @@ def _loss_kwargs(ex: Example) -> dict[str, Any]:
                 sampler_weights=ex.sampler_weights)
 
 
+def context_mesh() -> Any:
+    """The mesh tunix runs under: the one its ``RLCluster`` enters (``with mesh:``), which its
+    models' own ``shard`` reads too, else one set by ``jax.set_mesh`` (under ``jit``, its
+    abstract mesh); None without one."""
+    from jax.interpreters import pxla
+
+    mesh = pxla.thread_resources.env.physical_mesh
+    if not mesh.empty:
+        return mesh
+    try:  # outside jit: the concrete mesh of jax.set_mesh
+        mesh = jax.sharding.get_mesh()
+    except (AttributeError, ValueError):  # under jit: its abstract mesh (shard_map takes it)
+        mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh is None or getattr(mesh, "empty", True) else mesh
+
+
+def _mesh_axes(entry: Any, mesh: Any) -> tuple[str, ...]:
+    """The axes of ``mesh`` (of size > 1) that one entry of a tunix sharding names."""
+    names = entry if isinstance(entry, (tuple, list)) else (entry,)
+    return tuple(n for n in names if isinstance(n, str) and n in mesh.shape
+                 and mesh.shape[n] > 1)
+
+
+def placement(model: Any, batch: int, vocab: int) -> tuple[Any, ShardingSpec] | None:
+    """``(mesh, ShardingSpec)`` for our sharded ops when ``model`` runs on a mesh, else None.
+
+    The axes are the model's own (``model.config.shd_config``, tunix's ``ShardingConfig``):
+    the batch over the axes of ``act_btd``'s first entry (tunix's default: ``fsdp``), the
+    vocabulary over ``emb_vd``'s first (``tp``), on the mesh in context
+    (:func:`context_mesh`). An axis whose size does not divide ``batch`` or ``vocab`` is left
+    out (that dimension whole on each device); with neither left, None: the one-device op,
+    partitioned by XLA.
+    """
+    mesh = context_mesh()
+    shd = getattr(getattr(model, "config", None), "shd_config", None)
+    if mesh is None or mesh.size == 1 or shd is None:
+        return None
+    batch_axes = _mesh_axes(shd.act_btd[0], mesh)
+    vocab_axes = _mesh_axes(shd.emb_vd[0], mesh)
+    if batch % math.prod(mesh.shape[a] for a in batch_axes):
+        batch_axes = ()
+    vocab_axis = vocab_axes[0] if len(vocab_axes) == 1 and vocab_axes[0] not in batch_axes \
+        and vocab % mesh.shape[vocab_axes[0]] == 0 else None
+    if not batch_axes and vocab_axis is None:
+        return None
+    return mesh, ShardingSpec(batch_axes, vocab_axis)
+
+
 def _check_logits_from(logits_from: str) -> None:
     if logits_from not in LOGITS_FROM:
         raise ValueError(f"logits_from: must be one of {list(LOGITS_FROM)}, got {logits_from!r}")
@@ -265,9 +318,12 @@ def logits_policy_loss(model: Any, train_example: Any, algo_config: Any, pad_id:
         logits = completion_logits(model, inputs, t)
     else:
         logits = call_model(model, inputs)[0][:, -t - 1:-1, :]
-    loss, metrics = grpo_loss(logits, ex.ids, ex.mask, ex.advantages, config=config,
-                              impl=impl, options=logits_options(impl, options),
-                              **_loss_kwargs(ex))
+    where = placement(model, *logits.shape[::2])
+    loss_fn = grpo_loss if where is None else functools.partial(
+        sharded_grpo_loss, mesh=where[0], sharding=where[1])
+    loss, metrics = loss_fn(logits, ex.ids, ex.mask, ex.advantages, config=config,
+                            impl=impl, options=logits_options(impl, options),
+                            **_loss_kwargs(ex))
     return loss, tunix_aux(metrics, ex, config, _field(algo_config, "epsilon_c"))
 
 
@@ -286,7 +342,10 @@ def fused_policy_loss(model: Any, train_example: Any, algo_config: Any, pad_id: 
     config = loss_config(algo_config, ex.ref_logps is not None)
     t = ex.ids.shape[1]
     hidden, head = completion_hidden(model, model_inputs(model, train_example, pad_id, eos_id), t)
-    loss, metrics = grpo_loss_from_hidden(
+    where = placement(model, hidden.shape[0], head_vocab(head))
+    loss_fn = grpo_loss_from_hidden if where is None else functools.partial(
+        sharded_grpo_loss_from_hidden, mesh=where[0], sharding=where[1])
+    loss, metrics = loss_fn(
         hidden, head.weights, ex.ids, ex.mask, ex.advantages, config=config,
         impl=impl, options=fused_options(impl, options), lm_head_layout=head.layout,
         logits_dtype=head.dtype, **_loss_kwargs(ex))
@@ -372,10 +431,12 @@ def _log_probs_from_hidden(impl: str, options: Any, tunix_fn: Callable) -> Calla
             model, token_inputs(model, prompt_tokens, completion_tokens, pad_id, eos_id), t)
         # tunix divides the logits by the temperature unless it is 0 or 1
         tau = 1.0 if temperature in (0, 0.0, 1, 1.0) else temperature
-        logps = token_logps_from_hidden(hidden, head.weights, completion_tokens,
-                                        lm_head_layout=head.layout, logits_dtype=head.dtype,
-                                        temperature=tau, impl=impl,
-                                        options=fused_options(impl, options))
+        where = placement(model, hidden.shape[0], head_vocab(head))
+        logps_fn = token_logps_from_hidden if where is None else functools.partial(
+            sharded_token_logps_from_hidden, mesh=where[0], sharding=where[1])
+        logps = logps_fn(hidden, head.weights, completion_tokens, lm_head_layout=head.layout,
+                         logits_dtype=head.dtype, temperature=tau, impl=impl,
+                         options=fused_options(impl, options))
         return jax.lax.stop_gradient(logps) if stop_gradient else logps
 
     return log_probs
@@ -408,6 +469,7 @@ def log_probs_function(impl: str = "auto", options: Any = None,
                                 **unknown):
         theirs = (unknown or return_logits or images is not None or segment_ids is not None
                   or segment_positions is not None or not temperature >= 0)
+        compute_per_token_logps.calls["tunix" if theirs else "ours"] += 1
         if theirs:
             return tunix_fn(graphdef, state, prompt_tokens, completion_tokens, pad_id, eos_id,
                             images=images, stop_gradient=stop_gradient,
@@ -418,6 +480,9 @@ def log_probs_function(impl: str = "auto", options: Any = None,
                     stop_gradient=stop_gradient, temperature=temperature)
 
     compute_per_token_logps.grpo_kernels = True  # how patch_log_probs knows its own
+    # Calls so far by who answered them: "ours", or "tunix" (its function, as called). A
+    # model we cannot read counts as ours here and is answered by tunix's function inlined.
+    compute_per_token_logps.calls = {"ours": 0, "tunix": 0}
     return compute_per_token_logps
 
 

@@ -188,6 +188,11 @@ def lm_head(model: Any, hidden: Array, table: Array) -> Head:
     return Head(w.astype(dtype), layout, jnp.dtype(dtype))
 
 
+def head_vocab(head: Head) -> int:
+    """``V`` of a :class:`Head`."""
+    return head.weights.shape[1] if head.layout == "hv" else head.weights.shape[0]
+
+
 def completion_hidden(model: Any, inputs: dict[str, Any], t: int) -> tuple[Array, Head]:
     """The hidden states that predict the last ``t`` tokens (``[B, t, D]``, in the head's
     dtype) and the head: what both losses read (:func:`head_blocker` must be None)."""
