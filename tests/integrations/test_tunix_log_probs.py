@@ -13,7 +13,8 @@ from flax import nnx  # noqa: E402
 from tunix.rl import common  # noqa: E402
 
 from grpo_kernels.integrations import tunix as ours  # noqa: E402
-from tests.integrations.tunix_models import EOS, PAD, tiny_model, train_example  # noqa: E402
+from tests.integrations.tunix_models import (  # noqa: E402
+    EOS, PAD, halved, tiny_model, train_example)
 
 TUNIX = common.compute_per_token_logps
 
@@ -95,16 +96,27 @@ def test_every_case_it_does_not_handle_goes_to_tunix_unchanged():
     assert len(calls) == n
 
 
+def test_soft_capped_gemma_equals_tunix():
+    """Gemma 2's final-logit soft cap through logit_softcap (0.05: active at the tiny model's
+    logits, of order 0.1)."""
+    model = tiny_model("gemma", seed=6, softcap=0.05)
+    graphdef, state, prompt, completion = _args(model)
+    want = TUNIX(graphdef, state, prompt, completion, PAD, EOS, temperature=0.7)
+    fn = ours.log_probs_function("xla")
+    got = fn(graphdef, state, prompt, completion, PAD, EOS, temperature=0.7)
+    assert fn.calls == {"ours": 1, "tunix": 0} and _rel(got, want) <= 1e-5
+
+
 def test_a_model_it_cannot_read_goes_to_tunix():
-    """A soft-capped Gemma (Gemma 2's final_logit_softcap) and a subclass with its own
-    __call__: tunix's function, inlined in the same jitted pass, gives the numbers."""
+    """A subclass with its own __call__: tunix's function, inlined in the same jitted pass,
+    gives the numbers."""
     calls = []
 
     def spy(*args, **kwargs):
         calls.append(kwargs)
         return TUNIX(*args, **kwargs)
 
-    model = tiny_model("gemma", seed=6, softcap=30.0)
+    model = halved(tiny_model("qwen2", seed=6, tied=True))
     graphdef, state, prompt, completion = _args(model)
     got = ours.log_probs_function("xla", tunix_fn=spy)(graphdef, state, prompt, completion,
                                                       PAD, EOS)

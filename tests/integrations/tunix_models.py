@@ -78,6 +78,17 @@ def train_example(model, seed: int = 0, batch: int = 4, prompt: int = 5, complet
         old_per_token_logps=logps + noise_a, sampler_is_weights=weights)
 
 
+def halved(model):
+    """``model`` as an instance of a subclass whose ``__call__`` halves the logits."""
+    base = type(model)
+
+    def __call__(self, *args, **kwargs):
+        logits, cache = base.__call__(self, *args, **kwargs)
+        return logits * 0.5, cache
+    model.__class__ = type("HalvedLogits", (base,), {"__call__": __call__})
+    return model
+
+
 def loss_and_grads(loss_fn, model, example, algo_config, jit: bool = True):
     """``(loss, aux, grads)`` of a tunix policy loss w.r.t. every parameter of ``model``."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)

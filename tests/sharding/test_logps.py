@@ -106,3 +106,43 @@ def test_explicit_mesh_batch_split_inputs_and_collective_sizes():
         jnp.asarray(h), w, ids, impl="reference")), atol=2e-5)
     largest = max(c.elements for c in collectives(f.lower(h, w).compile().as_text()))
     assert largest < V * 8  # nothing of [T, V]; chunks of hidden rows and [B/b, T] vectors
+
+
+def test_soft_capped_losses_and_log_probs_on_a_mesh():
+    """logit_softcap through the sharded ops (xla; the reference's statistics on capped logits)
+    equals one device: both log-prob ops and both losses."""
+    from grpo_kernels import GRPOLossConfig, grpo_loss, grpo_loss_from_hidden
+    from grpo_kernels.sharding import sharded_grpo_loss, sharded_grpo_loss_from_hidden
+
+    mesh, spec = make(MESHES[1])
+    k = jax.random.split(jax.random.key(4), 4)
+    h = jax.random.normal(k[0], (B, T, H))
+    w = 0.5 * jax.random.normal(k[1], (H, V))
+    ids = jax.random.randint(k[2], (B, T), 0, V)
+    z = 3 * jax.random.normal(k[3], (B, T, V))
+    for impl in ("reference", "xla"):
+        got = _grads(lambda z: sharded_token_logps(z, ids, mesh=mesh, sharding=spec, impl=impl,
+                                                   logit_softcap=2.5, return_entropy=True), z)
+        want = _grads(lambda z: token_logps(z, ids, impl="reference", logit_softcap=2.5,
+                                            return_entropy=True), z)
+        _same(got, want)
+        got = _grads(lambda h, w: sharded_token_logps_from_hidden(
+            h, w, ids, mesh=mesh, sharding=spec, impl=impl, logit_softcap=2.5,
+            return_entropy=True), h, w)
+        want = _grads(lambda h, w: token_logps_from_hidden(
+            h, w, ids, impl="reference", logit_softcap=2.5, return_entropy=True), h, w)
+        _same(got, want)
+    cfg = GRPOLossConfig(beta=0.0)
+    mask, adv = jnp.ones((B, T)), jax.random.normal(k[0], (B,))
+    one = jax.grad(lambda z: grpo_loss(z, ids, mask, adv, config=cfg, impl="reference",
+                                       logit_softcap=2.5)[0])(z)
+    sharded = jax.jit(jax.grad(lambda z: sharded_grpo_loss(
+        z, ids, mask, adv, mesh=mesh, sharding=spec, config=cfg, impl="xla",
+        logit_softcap=2.5)[0]))(z)
+    assert rel_err(sharded, one) <= 2e-5
+    one = jax.grad(lambda h: grpo_loss_from_hidden(h, w, ids, mask, adv, config=cfg,
+                                                   impl="reference", logit_softcap=2.5)[0])(h)
+    sharded = jax.jit(jax.grad(lambda h: sharded_grpo_loss_from_hidden(
+        h, w, ids, mask, adv, mesh=mesh, sharding=spec, config=cfg, impl="xla",
+        logit_softcap=2.5)[0]))(h)
+    assert rel_err(sharded, one) <= 2e-5

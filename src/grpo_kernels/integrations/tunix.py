@@ -348,7 +348,7 @@ def fused_policy_loss(model: Any, train_example: Any, algo_config: Any, pad_id: 
     loss, metrics = loss_fn(
         hidden, head.weights, ex.ids, ex.mask, ex.advantages, config=config,
         impl=impl, options=fused_options(impl, options), lm_head_layout=head.layout,
-        logits_dtype=head.dtype, **_loss_kwargs(ex))
+        logits_dtype=head.dtype, logit_softcap=head.softcap, **_loss_kwargs(ex))
     return loss, tunix_aux(metrics, ex, config, _field(algo_config, "epsilon_c"))
 
 
@@ -435,8 +435,8 @@ def _log_probs_from_hidden(impl: str, options: Any, tunix_fn: Callable) -> Calla
         logps_fn = token_logps_from_hidden if where is None else functools.partial(
             sharded_token_logps_from_hidden, mesh=where[0], sharding=where[1])
         logps = logps_fn(hidden, head.weights, completion_tokens, lm_head_layout=head.layout,
-                         logits_dtype=head.dtype, temperature=tau, impl=impl,
-                         options=fused_options(impl, options))
+                         logits_dtype=head.dtype, logit_softcap=head.softcap,
+                         temperature=tau, impl=impl, options=fused_options(impl, options))
         return jax.lax.stop_gradient(logps) if stop_gradient else logps
 
     return log_probs

@@ -11,9 +11,10 @@ Which way a model is read (:func:`head_blocker`):
 
 - a tunix Qwen2, Qwen3 or Llama3 whose ``__call__`` is the class's own: decoder layers run
   here as modules (:func:`hidden_states`), the embedding lookup by :func:`tied_lookup`;
-- a tunix Gemma3, or a Gemma without final-logit soft-capping (Gemma 2 caps them, which the
-  losses do not model): the hidden states its own ``__call__`` sows
-  (``output_hidden_states=True``; under ``jit`` the unused logits are dropped);
+- a tunix Gemma3 or Gemma: the hidden states its own ``__call__`` sows
+  (``output_hidden_states=True``; under ``jit`` the unused logits are dropped); a Gemma's
+  final-logit soft cap (Gemma 2's ``final_logit_softcap``) goes to the ops as
+  ``logit_softcap``;
 - any of those adapted by qwix (``qwix.apply_lora_to_model``, the way tunix adds LoRA): qwix
   swaps the class for one whose ``__call__`` intercepts the matmuls, so the adapters act only
   inside that call, and the hidden states are the ones that call sows. Llama3's ``__call__``
@@ -30,6 +31,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from grpo_kernels.ops.core.online_softmax import soft_cap
 from grpo_kernels.ops.lm_head_loss.head import head_logits
 from grpo_kernels.ops.lm_head_loss.lookup import tied_lookup
 
@@ -37,11 +39,13 @@ Array = jax.Array
 
 
 class Head(NamedTuple):
-    """A model's LM head as the fused loss takes it."""
+    """A model's LM head as the fused loss takes it (``softcap``: its final-logit soft cap,
+    or None)."""
 
     weights: Array
     layout: str
     dtype: Any
+    softcap: float | None = None
 
 
 # Families read only through their own __call__ (their layers are not run here as modules).
@@ -114,9 +118,6 @@ def head_blocker(model: Any) -> str | None:
         return f"{base.__name__} has its own __call__"
     if qwix_adapted(model) and family == "llama3":
         return "qwix adapters act inside Llama3.__call__, which returns no hidden states"
-    cap = getattr(model, "final_logits_softcap", None) if family == "gemma" else None
-    if cap is not None:
-        return f"its logits are soft-capped (final_logit_softcap={cap})"
     adapters = head_adapters(model)
     if adapters:
         return f"its LM head carries qwix LoRA parameters ({', '.join(adapters)})"
@@ -185,7 +186,8 @@ def lm_head(model: Any, hidden: Array, table: Array) -> Head:
     w, layout = (table, "vh") if tied else (model.lm_head.w.value, "hv")
     stored = family in ("llama3", *BY_CALL)
     dtype = jnp.result_type(hidden.dtype, w.dtype) if stored else model.config.dtype
-    return Head(w.astype(dtype), layout, jnp.dtype(dtype))
+    cap = getattr(model, "final_logits_softcap", None) if family == "gemma" else None
+    return Head(w.astype(dtype), layout, jnp.dtype(dtype), cap)
 
 
 def head_vocab(head: Head) -> int:
@@ -208,4 +210,8 @@ def completion_logits(model: Any, inputs: dict[str, Any], t: int) -> Array:
     exact, so a loss that reads them in float32 sees the same numbers. The gradient comes back
     in that dtype, as through the cast's transpose."""
     hidden, head = completion_hidden(model, inputs, t)
-    return head_logits(hidden, head.weights, head.layout, None, head.dtype)
+    logits = head_logits(hidden, head.weights, head.layout, None, head.dtype)
+    if head.softcap is None:
+        return logits
+    # the model caps its logits in their own dtype, as here
+    return soft_cap(logits.astype(jnp.float32), head.softcap).astype(head.dtype)

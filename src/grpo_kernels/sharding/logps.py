@@ -22,8 +22,8 @@ from grpo_kernels.ops.lm_head_loss import pallas_tpu as head_pallas
 from grpo_kernels.ops.logits_loss import api as logits_api
 from grpo_kernels.ops.logits_loss import pallas as logits_pallas
 from grpo_kernels.ops.logps.api import check_logits, check_temperature, check_token_ids
-from grpo_kernels.ops.core.validate import resolve_impl
-from grpo_kernels.sharding.loss import LOGITS, OpKind, head_kind, sequence_split, statistics
+from grpo_kernels.ops.core.validate import check_softcap, resolve_impl
+from grpo_kernels.sharding.loss import OpKind, head_kind, logits_kind, sequence_split, statistics
 from grpo_kernels.sharding.spec import ShardingSpec, resolve
 
 Array = jax.Array
@@ -44,8 +44,8 @@ def _run(op: OpKind, primals: tuple, primal_specs: tuple, ids: Array, *, mesh: M
 
 def sharded_token_logps(logits: Array, ids: Array, *, mesh: Mesh, sharding: ShardingSpec,
                         temperature: float = 1.0, return_entropy: bool = False,
-                        impl: str = "auto", options: Any = None,
-                        check_ids: bool = False) -> Array | tuple[Array, Array]:
+                        impl: str = "auto", options: Any = None, check_ids: bool = False,
+                        logit_softcap: float | None = None) -> Array | tuple[Array, Array]:
     """:func:`grpo_kernels.token_logps` with ``B`` split over ``sharding.batch_axes`` and ``V``
     over ``sharding.vocab_axis`` of ``mesh``.
 
@@ -54,7 +54,7 @@ def sharded_token_logps(logits: Array, ids: Array, *, mesh: Mesh, sharding: Shar
     there first. Nothing vocabulary-sized crosses devices.
 
     Args:
-      logits, ids, temperature, return_entropy, impl, options, check_ids: as
+      logits, ids, temperature, return_entropy, impl, options, check_ids, logit_softcap: as
         :func:`grpo_kernels.token_logps` (``options`` apply to each device's block).
       mesh: The device mesh.
       sharding: Which mesh axes split ``B`` and ``V``.
@@ -67,8 +67,9 @@ def sharded_token_logps(logits: Array, ids: Array, *, mesh: Mesh, sharding: Shar
     tau = check_temperature(temperature)
     spec = resolve(sharding, mesh, b, vocab, "logits")
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
+    softcap = check_softcap(logit_softcap, impl)
     ids = check_token_ids(ids, b, t, vocab, check_ids)
-    return _run(LOGITS, (logits,), (spec.logits(),), ids, mesh=mesh, spec=spec, impl=impl,
+    return _run(logits_kind(softcap), (logits,), (spec.logits(),), ids, mesh=mesh, spec=spec, impl=impl,
                 options=options, vocab=vocab, temperature=tau, return_entropy=return_entropy,
                 default_options=logits_pallas.PallasOptions())
 
@@ -76,8 +77,9 @@ def sharded_token_logps(logits: Array, ids: Array, *, mesh: Mesh, sharding: Shar
 def sharded_token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *, mesh: Mesh,
                                     sharding: ShardingSpec, lm_head_layout: str = "hv",
                                     bias: Array | None = None, temperature: float = 1.0,
-                                    logits_dtype: Any = None, return_entropy: bool = False,
-                                    impl: str = "auto", options: Any = None,
+                                    logits_dtype: Any = None, logit_softcap: float | None = None,
+                                    return_entropy: bool = False, impl: str = "auto",
+                                    options: Any = None,
                                     check_ids: bool = False) -> Array | tuple[Array, Array]:
     """:func:`grpo_kernels.token_logps_from_hidden` with ``B`` split over
     ``sharding.batch_axes`` and the head's ``V`` over ``sharding.vocab_axis``.
@@ -88,20 +90,22 @@ def sharded_token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *
     ``[B/b, T]``-sized (and, sequence-parallel, each chunk's hidden rows).
 
     Args:
-      hidden, lm_head, ids, lm_head_layout, bias, temperature, logits_dtype, return_entropy,
-        impl, options, check_ids: as :func:`grpo_kernels.token_logps_from_hidden`.
+      hidden, lm_head, ids, lm_head_layout, bias, temperature, logits_dtype, logit_softcap,
+        return_entropy, impl, options, check_ids: as
+        :func:`grpo_kernels.token_logps_from_hidden`.
       mesh: The device mesh.
       sharding: Which mesh axes split ``B`` and ``V``.
 
     Raises:
       ValueError: as :func:`sharded_token_logps`.
     """
-    fmt = head_api.validate_head(hidden, lm_head, lm_head_layout, bias, logits_dtype)
+    impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
+    fmt = head_api.validate_head(hidden, lm_head, lm_head_layout, bias, logits_dtype,
+                                 logit_softcap, impl)
     b, t, _ = hidden.shape
     vocab = fmt.vocab(lm_head)
     tau = check_temperature(temperature)
     spec = resolve(sharding, mesh, b, vocab, "hidden/lm_head")
-    impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
     ids = check_token_ids(ids, b, t, vocab, check_ids)
     seq = sequence_split(spec, mesh, t, impl, options)
     primal_specs = (spec.rows(3) if seq is None else spec.steps(), spec.head(fmt.layout),

@@ -24,12 +24,15 @@ import functools
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from grpo_kernels.compat import to_layout, vary
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.ops.core.batch import TokenBatch
-from grpo_kernels.ops.core.validate import check_ids_in_range, resolve_impl, validate_token_inputs
+from grpo_kernels.ops.core.online_softmax import soft_cap
+from grpo_kernels.ops.core.validate import (check_ids_in_range, check_softcap, resolve_impl,
+                                            validate_token_inputs)
 from grpo_kernels.ops.core.vjp import with_softmax_gradient
 from grpo_kernels.ops.lm_head_loss import api as head_api
 from grpo_kernels.ops.lm_head_loss import pallas_tpu as head_pallas
@@ -82,17 +85,22 @@ def _on_mesh(options: Any, default: Any) -> Any:
         else options
 
 
-def _logits_pieces(primals, impl, options, tau, spec, vocab) -> Pieces:
-    del spec, vocab
-    (z,) = primals
-    if impl == "xla":
-        return logits_xla.pieces(z.shape, options, tau)
-    opts = _on_mesh(options, logits_pallas.PallasOptions())
-    return logits_pallas.pieces(z.shape, z.dtype, opts, tau)
+def logits_kind(softcap: float | None = None) -> OpKind:
+    """The logits op (its logits soft-capped with ``softcap``; the Pallas kernels take none)."""
+    def pieces(primals, impl, options, tau, spec, vocab) -> Pieces:
+        del spec, vocab
+        (z,) = primals
+        if impl == "xla":
+            return logits_xla.pieces(z.shape, options, tau, softcap)
+        opts = _on_mesh(options, logits_pallas.PallasOptions())
+        return logits_pallas.pieces(z.shape, z.dtype, opts, tau)
+
+    return OpKind(local_vocab=lambda p: p[0].shape[-1],
+                  reference_logits=lambda p: soft_cap(p[0].astype(jnp.float32), softcap),
+                  pieces=pieces)
 
 
-LOGITS = OpKind(local_vocab=lambda p: p[0].shape[-1], reference_logits=lambda p: p[0],
-                pieces=_logits_pieces)
+LOGITS = logits_kind()
 
 
 def head_kind(fmt: HeadFormat, seq: tuple[str, int] | None = None) -> OpKind:
@@ -114,8 +122,9 @@ def head_kind(fmt: HeadFormat, seq: tuple[str, int] | None = None) -> OpKind:
                           for x in (w, bias)))
 
     return OpKind(local_vocab=lambda p: fmt.vocab(p[1]),
-                  reference_logits=lambda p: head_logits(p[0], p[1], fmt.layout, p[2],
-                                                         fmt.logits_dtype),
+                  reference_logits=lambda p: soft_cap(head_logits(
+                      p[0], p[1], fmt.layout, p[2], fmt.logits_dtype).astype(jnp.float32),
+                      fmt.softcap),
                   pieces=pieces, vary=vary_primals)
 
 
@@ -225,8 +234,8 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
                       num_items_in_batch: Array | float | None = None,
                       sampler_weights: Array | None = None,
                       sampler_logps: Array | None = None, impl: str = "auto",
-                      check_ids: bool = False,
-                      options: Any = None) -> tuple[Array, dict[str, Array]]:
+                      check_ids: bool = False, options: Any = None,
+                      logit_softcap: float | None = None) -> tuple[Array, dict[str, Array]]:
     r""":func:`grpo_kernels.grpo_loss` with ``B`` split over ``sharding.batch_axes`` and ``V``
     over ``sharding.vocab_axis`` of ``mesh``.
 
@@ -241,7 +250,7 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
 
     Args:
       logits, ids, mask, advantages, config, old_logps, ref_logps, num_items_in_batch,
-        sampler_weights, sampler_logps, impl, check_ids, options: as
+        sampler_weights, sampler_logps, impl, check_ids, options, logit_softcap: as
         :func:`grpo_kernels.grpo_loss`;
         ``options`` applies to each device's block.
       mesh: The device mesh.
@@ -256,11 +265,13 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
     b, _, vocab = logits.shape
     spec = resolve(sharding, mesh, b, vocab, "logits")
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
+    softcap = check_softcap(logit_softcap, impl)
     if check_ids:
         check_ids_in_range(ids, mask, vocab)
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
                           sampler_weights, sampler_logps)
-    return _run(LOGITS, (logits,), (spec.logits(),), batch, mesh=mesh, spec=spec,
+    op = LOGITS if softcap is None else logits_kind(softcap)  # LOGITS: the one-pass kernel's
+    return _run(op, (logits,), (spec.logits(),), batch, mesh=mesh, spec=spec,
                 config=config, impl=impl, options=options, vocab=vocab,
                 default_options=logits_pallas.PallasOptions())
 
@@ -274,8 +285,9 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
                                   sampler_logps: Array | None = None,
                                   impl: str = "auto", lm_head_layout: str = "hv",
                                   bias: Array | None = None, logits_dtype: Any = None,
-                                  check_ids: bool = False,
-                                  options: Any = None) -> tuple[Array, dict[str, Array]]:
+                                  check_ids: bool = False, options: Any = None,
+                                  logit_softcap: float | None = None
+                                  ) -> tuple[Array, dict[str, Array]]:
     """:func:`grpo_kernels.grpo_loss_from_hidden` with ``B`` split over ``sharding.batch_axes``
     and the head's ``V`` over ``sharding.vocab_axis`` (a tensor-parallel head).
 
@@ -292,8 +304,7 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
     Args:
       hidden, lm_head, ids, mask, advantages, config, old_logps, ref_logps,
         num_items_in_batch, sampler_weights, sampler_logps, impl, lm_head_layout, bias,
-        logits_dtype,
-        check_ids, options:
+        logits_dtype, check_ids, options, logit_softcap:
         as :func:`grpo_kernels.grpo_loss_from_hidden`.
       mesh: The device mesh.
       sharding: Which mesh axes split ``B`` and ``V``.
@@ -302,12 +313,12 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
       ValueError: bad arguments, a mesh without the named axes, or ``B``/``V`` not divisible
         by their axes (nothing is padded).
     """
+    impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
     fmt = head_api.validate_call(hidden, lm_head, ids, mask, advantages, config, old_logps,
                                  ref_logps, lm_head_layout, bias, logits_dtype,
-                                 sampler_weights, sampler_logps)
+                                 sampler_weights, sampler_logps, logit_softcap, impl)
     vocab = fmt.vocab(lm_head)
     spec = resolve(sharding, mesh, hidden.shape[0], vocab, "hidden/lm_head")
-    impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
     if check_ids:
         check_ids_in_range(ids, mask, vocab)
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,

@@ -29,6 +29,18 @@ Stats = tuple[Array, Array, Array]
 GRAD_FLOOR = -1e30
 
 
+def soft_cap(z: Array, cap: float | None) -> Array:
+    r"""Soft-capped logits :math:`c \tanh(z / c)` (Gemma 2's ``final_logit_softcap``), applied
+    to float32 ``z`` after the head and before the temperature; ``cap=None``: ``z``."""
+    return z if cap is None else cap * jnp.tanh(z / cap)
+
+
+def soft_cap_grad(capped: Array, cap: float | None) -> Array | float:
+    r""":math:`\partial\,c \tanh(z / c) / \partial z = 1 - \tanh^2(z / c)`, from the capped
+    value ``capped`` :math:`= c \tanh(z / c)`; 1 without a cap."""
+    return 1.0 if cap is None else 1.0 - jnp.square(capped / cap)
+
+
 def sweep(n: int, block: int, body: Callable[[Any, int, Any], Any], carry: Any, *,
           start: Callable[[Any], Any] | None = None, like: tuple[Any, ...] = ()) -> Any:
     """Runs ``body(start, size, carry)`` over ``[0, n)`` in blocks that never overlap.

@@ -5,16 +5,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from grpo_kernels.ops.core.online_softmax import soft_cap
+
 Array = jax.Array
 
 
-def token_logp_and_entropy(logits: Array, ids: Array, temperature: float) -> tuple[Array, Array]:
-    """Chosen-token log-probs and entropies of ``softmax(logits / temperature)`` in float32.
+def token_logp_and_entropy(logits: Array, ids: Array, temperature: float,
+                           softcap: float | None = None) -> tuple[Array, Array]:
+    """Chosen-token log-probs and entropies of ``softmax(logits / temperature)`` in float32,
+    the logits soft-capped first when ``softcap`` is set (:func:`.online_softmax.soft_cap`).
 
     Ids outside ``[0, V)`` are clamped into range (see ``docs/loss.md``).
     """
     vocab = logits.shape[-1]
-    scaled = logits.astype(jnp.float32) / temperature
+    scaled = soft_cap(logits.astype(jnp.float32), softcap) / temperature
     logsm = jax.nn.log_softmax(scaled, axis=-1)
     ids = jnp.clip(ids.astype(jnp.int32), 0, vocab - 1)
     logp = jnp.take_along_axis(logsm, ids[..., None], axis=-1)[..., 0]

@@ -12,6 +12,7 @@ from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import common_dtype
 from grpo_kernels.ops.core.validate import (
     check_ids_in_range,
+    check_softcap,
     resolve_impl,
     shape_of,
     validate_token_inputs,
@@ -42,15 +43,18 @@ def _float_dtype(name: str, x: Any) -> None:
 
 
 def validate_head(hidden: Any, lm_head: Any, layout: Any, bias: Any,
-                  logits_dtype: Any) -> HeadFormat:
+                  logits_dtype: Any, logit_softcap: Any = None,
+                  impl: str | None = None) -> HeadFormat:
     """Checks the head arguments; returns their :class:`HeadFormat` (``logits_dtype``
     resolved). ValueError names the argument.
 
     Allowed dtypes: ``hidden``, ``lm_head`` and ``bias`` each bfloat16, float16 or float32, in
     any mix. Matmuls accumulate in float32; a mix computes in float32 (the narrower operand is
     upcast, ``lm_head`` once per call) and gives float32 logits unless ``logits_dtype`` says
-    otherwise.
+    otherwise. ``logit_softcap``: :func:`~grpo_kernels.ops.core.validate.check_softcap` (for
+    ``impl``).
     """
+    softcap = check_softcap(logit_softcap, impl)
     _float_dtype("hidden", hidden)
     _float_dtype("lm_head", lm_head)
     if hidden.ndim != 3:
@@ -76,7 +80,7 @@ def validate_head(hidden: Any, lm_head: Any, layout: Any, bias: Any,
         if tuple(bias.shape) != (vocab,):
             raise ValueError(f"bias must have shape [V] = ({vocab},), got {tuple(bias.shape)}")
     if logits_dtype is None:
-        return HeadFormat(layout, common_dtype(hidden.dtype, lm_head.dtype))
+        return HeadFormat(layout, common_dtype(hidden.dtype, lm_head.dtype), softcap)
     try:
         resolved = jnp.dtype(logits_dtype)
     except TypeError:
@@ -84,16 +88,17 @@ def validate_head(hidden: Any, lm_head: Any, layout: Any, bias: Any,
     if resolved not in FLOAT_DTYPES:
         raise ValueError(f"logits_dtype must be None, bfloat16, float16 or float32, "
                          f"got {logits_dtype!r}")
-    return HeadFormat(layout, resolved)
+    return HeadFormat(layout, resolved, softcap)
 
 
 def validate_call(hidden: Any, lm_head: Any, ids: Any, mask: Any, advantages: Any, config: Any,
                   old_logps: Any, ref_logps: Any, layout: Any, bias: Any,
                   logits_dtype: Any, sampler_weights: Any = None,
-                  sampler_logps: Any = None) -> HeadFormat:
+                  sampler_logps: Any = None, logit_softcap: Any = None,
+                  impl: str | None = None) -> HeadFormat:
     """Every check of a fused call (the head's, then the logits-level ones on the logits it
     would form); returns the head's format."""
-    fmt = validate_head(hidden, lm_head, layout, bias, logits_dtype)
+    fmt = validate_head(hidden, lm_head, layout, bias, logits_dtype, logit_softcap, impl)
     b, t, _ = hidden.shape
     validate_token_inputs(jax.ShapeDtypeStruct((b, t, fmt.vocab(lm_head)), fmt.logits_dtype),
                           ids, mask, advantages, config, old_logps, ref_logps, sampler_weights,
@@ -130,6 +135,7 @@ def grpo_loss_from_hidden(
     logits_dtype: Any = None,
     check_ids: bool = False,
     options: LmHeadBlockSizes | LmHeadPallasOptions | None = None,
+    logit_softcap: float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     r"""GRPO loss from hidden states and LM-head weights, never materialising ``[B, T, V]``.
 
@@ -154,6 +160,9 @@ def grpo_loss_from_hidden(
         head": no rounding of the logits.
       options: ``LmHeadBlockSizes`` for ``xla``, ``LmHeadPallasOptions`` for ``pallas``,
         ``None`` for defaults.
+      logit_softcap: :math:`c > 0`: the logits are soft-capped, :math:`c \tanh(z / c)`, after
+        the head and before the temperature, with the cap's gradient (Gemma 2); ``reference``
+        and ``xla`` only.
 
     Returns:
       ``(loss, metrics)`` as :func:`grpo_kernels.grpo_loss`; the loss is differentiable w.r.t.
@@ -162,9 +171,10 @@ def grpo_loss_from_hidden(
     Raises:
       ValueError: at trace time, naming the argument and the expected shape or dtype.
     """
-    fmt = validate_call(hidden, lm_head, ids, mask, advantages, config, old_logps, ref_logps,
-                        lm_head_layout, bias, logits_dtype, sampler_weights, sampler_logps)
     impl = resolve_impl(impl, options, OPTION_TYPES, default_impl)
+    fmt = validate_call(hidden, lm_head, ids, mask, advantages, config, old_logps, ref_logps,
+                        lm_head_layout, bias, logits_dtype, sampler_weights, sampler_logps,
+                        logit_softcap, impl)
     if check_ids:
         check_ids_in_range(ids, mask, fmt.vocab(lm_head))
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,

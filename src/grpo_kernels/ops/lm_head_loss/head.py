@@ -17,10 +17,12 @@ LAYOUTS: tuple[str, ...] = ("hv", "vh")
 @dataclasses.dataclass(frozen=True)
 class HeadFormat:
     """Static facts of a head call: the weights' layout (``"hv"``: ``[H, V]``; ``"vh"``:
-    ``[V, H]``) and the dtype of the logits the loss sees (resolved, never ``None``)."""
+    ``[V, H]``), the dtype of the logits the loss sees (resolved, never ``None``) and their soft
+    cap (``None``: none; :func:`~grpo_kernels.ops.core.online_softmax.soft_cap`)."""
 
     layout: str
     logits_dtype: jnp.dtype
+    softcap: float | None = None
 
     def vocab(self, w: Any) -> int:
         """``V`` of head weights ``w`` in this layout."""

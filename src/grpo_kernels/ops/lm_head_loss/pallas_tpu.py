@@ -294,6 +294,9 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadPallasOption
     hits no column).
     ``interpret`` overrides the options' (the sharding layer passes ``"hlo"`` on CPU).
     """
+    if fmt.softcap is not None:  # the API refuses it for pallas; a direct call is named here
+        raise ValueError("logit_softcap is not supported by impl='pallas' (its kernels take "
+                         "uncapped logits); use impl='xla' or 'reference'")
     opts = options or LmHeadPallasOptions()
     b, t, hdim = hidden.shape
     n = b * t

@@ -22,6 +22,6 @@ def reference_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None,
     """GRPO loss of :func:`head_logits` with float32 statistics; plain autodiff."""
     del options
     logits = head_logits(hidden, lm_head, fmt.layout, bias, fmt.logits_dtype)
-    logp, entropy = token_logp_and_entropy(logits, batch.ids, config.temperature)
+    logp, entropy = token_logp_and_entropy(logits, batch.ids, config.temperature, fmt.softcap)
     loss, metrics, _ = batch.loss(logp, entropy, config, with_grad=False)
     return loss, metrics

@@ -205,7 +205,7 @@ def _rows_and_head(hidden: Array, w: Array, bias: Array | None,
     """``hidden`` as ``[N, H]`` rows and the :class:`Head`, both in the operands' common dtype
     (a mix: ``W`` upcast once per call); ``cpu``: the head of a program planned for CPU."""
     compute = common_dtype(hidden.dtype, w.dtype)
-    head = Head(w.astype(compute), bias, fmt.layout, fmt.logits_dtype, cpu)
+    head = Head(w.astype(compute), bias, fmt.layout, fmt.logits_dtype, cpu, fmt.softcap)
     return hidden.reshape(-1, hidden.shape[-1]).astype(compute), head
 
 

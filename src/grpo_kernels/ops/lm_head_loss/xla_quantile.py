@@ -152,14 +152,16 @@ def correct_rows(h: Array, ids: Array, head: Head, temperature: float, lse: Arra
                            None if hh is None else jnp.where(valid, hh, 0.0), ent)
 
         hc = take_rows(h, safe)
-        s = head.logits(hc).astype(_F32) / temperature
+        s = head.scores(head.logits(hc), temperature)
         idc, lse_c = ids[safe], lse[safe]
-        full = logits_delta(s, idc, pick(exact).over(temperature), lse_c, head)
+        full = logits_delta(s, idc, pick(exact).over(temperature), lse_c, head,
+                            temperature=temperature)
         dh_bits = dh_bits.at[idx].set(_as_bits(head.dhidden(full).astype(h.dtype)),
                                       mode="drop")
         if dw is None and db is None:
             return dh_bits, dw, db
-        part = logits_delta(s, idc, pick(diff).over(temperature), lse_c, head)
+        part = logits_delta(s, idc, pick(diff).over(temperature), lse_c, head,
+                            temperature=temperature)
         if dw is not None:
             dw = _accumulate_dweight(dw, jax.lax.optimization_barrier(hc.T), part, dw_rows)
         if db is not None:

@@ -19,7 +19,7 @@ from grpo_kernels.compat import vary_like
 from grpo_kernels.ops.core.dtypes import cast_to
 from grpo_kernels.objective import RowGrad
 from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, sweep
-from grpo_kernels.ops.core.online_softmax import softmax_grad
+from grpo_kernels.ops.core.online_softmax import soft_cap, soft_cap_grad, softmax_grad
 from grpo_kernels.ops.lm_head_loss.head import delta_dtype, matmul
 
 Array = jax.Array
@@ -64,6 +64,12 @@ class Head:
     layout: str
     logits_dtype: Any
     cpu: bool
+    softcap: float | None = None
+
+    def scores(self, z: Array, temperature: float) -> Array:
+        """``s``: the logits ``z`` (from :meth:`logits`) soft-capped, over the temperature,
+        float32."""
+        return soft_cap(z.astype(_F32), self.softcap) / temperature
 
     @property
     def vocab(self) -> int:
@@ -167,17 +173,20 @@ def _accumulate_dweight(dw: Array, hc_t: Array, delta: Array, rows: int) -> Arra
 
 
 def logits_delta(s: Array, ids: Array, row: RowGrad, lse: Array, head: Head,
-                 col: Any = 0) -> Array:
+                 col: Any = 0, temperature: float = 1.0) -> Array:
     r"""``delta = dL/ds`` for the rows of ``s [r, w]``, whose columns are the vocabulary's
     ``col .. col + w``: :func:`softmax_grad` of ``u = s - lse`` with the per-row factors of
     ``row`` (``[r]`` arrays, already over ``tau``); without an entropy term
     ``g (1[v = y] - e^{u})``. In the dtype the two gradient matmuls take
     (:func:`delta_dtype`). An id outside the columns (``-1``: a vocabulary shard that does not
-    own it) has no one-hot term."""
+    own it) has no one-hot term. A soft-capped head's ``delta`` is w.r.t. the uncapped logits:
+    times the cap's derivative at ``s * temperature``, the capped logits."""
     hit = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) == (ids - col)[:, None]
     r = row.map(lambda x: x[:, None])
-    return cast_to(softmax_grad(s - lse[:, None], hit, r.g, r.h, r.entropy),
-                   delta_dtype(head.logits_dtype, head.w.dtype))
+    d = softmax_grad(s - lse[:, None], hit, r.g, r.h, r.entropy)
+    if head.softcap is not None:
+        d = d * soft_cap_grad(s * temperature, head.softcap)
+    return cast_to(d, delta_dtype(head.logits_dtype, head.w.dtype))
 
 
 def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
@@ -243,7 +252,7 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
         z = head.logits(hc)
         if z.dtype.itemsize < 4:  # keep the rounded logits narrow; consumers upcast on the fly
             z = jax.lax.optimization_barrier(z)
-        s = z.astype(_F32) / temperature
+        s = head.scores(z, temperature)
         chosen = jnp.take_along_axis(s, jnp.clip(idc, 0, vocab - 1)[:, None], axis=1)[:, 0]
         logp, lse_c, ent = finish(*chunk_stats(s, stats_block), chosen)
         stats = tuple(jax.lax.dynamic_update_slice_in_dim(o, x, start, 0)
@@ -256,7 +265,8 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
         row = grad_fn(start, size, logp, ent)
         if row.h is not None and row.entropy is None:
             row = row._replace(entropy=ent)
-        delta = logits_delta(s, idc, row.over(temperature), lse_c, head)
+        delta = logits_delta(s, idc, row.over(temperature), lse_c, head,
+                             temperature=temperature)
         dhc = head.dhidden(delta)
         if seq is not None:
             dhc = jax.lax.psum_scatter(dhc, seq[0], scatter_dimension=0, tiled=True)
@@ -350,8 +360,8 @@ def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array
         """``(dW, db)`` of the columns ``col .. col + width``, dW in its layout and dtype."""
         bias = None if head.bias is None else jax.lax.dynamic_slice_in_dim(head.bias, col, width)
         part = dataclasses.replace(head, w=_slice_rows(w, col, width, axis=axis), bias=bias)
-        s = part.logits(h).astype(_F32) / temperature
-        delta = logits_delta(s, ids, coef, lse, head, col)
+        s = part.scores(part.logits(h), temperature)
+        delta = logits_delta(s, ids, coef, lse, head, col, temperature)
         if head.layout == "hv":
             upd = matmul(h, delta, ((0,), (0,)))  # [H, cols]
         else:

@@ -11,6 +11,7 @@ from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.validate import (
     backend_kind,
     check_ids_in_range,
+    check_softcap,
     resolve_impl,
     validate_token_inputs,
 )
@@ -60,6 +61,7 @@ def grpo_loss(
     impl: str = "auto",
     check_ids: bool = False,
     options: XlaBlockSizes | PallasOptions | None = None,
+    logit_softcap: float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     r"""GRPO policy loss with Hugging Face TRL GRPOTrainer semantics.
 
@@ -103,6 +105,9 @@ def grpo_loss(
         concrete inputs, at run time under ``jit``).
       options: The implementation's options: ``XlaBlockSizes`` for ``impl="xla"``,
         ``PallasOptions`` for ``impl="pallas"``, ``None`` for defaults.
+      logit_softcap: :math:`c > 0`: the loss sees :math:`c \tanh(z / c)` (Gemma 2's
+        final-logit soft cap) before the temperature, with its gradient; ``None``: no cap.
+        ``reference`` and ``xla`` only.
 
     Returns:
       ``(loss, metrics)``: the float32 scalar loss, differentiable w.r.t. ``logits`` (gradient in
@@ -117,8 +122,9 @@ def grpo_loss(
     validate_token_inputs(logits, ids, mask, advantages, config, old_logps, ref_logps,
                           sampler_weights, sampler_logps)
     impl = resolve_impl(impl, options, OPTION_TYPES, default_impl)
+    softcap = check_softcap(logit_softcap, impl)
     if check_ids:
         check_ids_in_range(ids, mask, logits.shape[-1])
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
                           sampler_weights, sampler_logps)
-    return IMPLEMENTATIONS[impl](logits, batch, config, options)
+    return IMPLEMENTATIONS[impl](logits, batch, config, options, softcap=softcap)

@@ -201,11 +201,14 @@ def pieces(shape: tuple[int, ...], dtype, options: PallasOptions | None, tempera
 
 
 def pallas_grpo_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
-                     options: PallasOptions | None = None) -> tuple[Array, dict[str, Array]]:
+                     options: PallasOptions | None = None,
+                     softcap: None = None) -> tuple[Array, dict[str, Array]]:
     """GRPO loss on the Pallas kernels, differentiable w.r.t. ``logits``.
 
-    Args, returns: as :func:`grpo_kernels.grpo_loss` (checked there).
+    Args, returns: as :func:`grpo_kernels.grpo_loss` (checked there; the kernels take no
+    ``logit_softcap``, which the API refuses for this implementation).
     """
+    assert softcap is None, "logit_softcap reached the Pallas kernels"
     options = options or PallasOptions()
     if options.resolved_one_pass(config):
         return one_pass_loss(logits, batch, config, options)

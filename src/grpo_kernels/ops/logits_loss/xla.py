@@ -46,7 +46,7 @@ from grpo_kernels.objective import RowGrad
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import cast_to
 from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, sweep
-from grpo_kernels.ops.core.online_softmax import softmax_grad
+from grpo_kernels.ops.core.online_softmax import soft_cap, soft_cap_grad, softmax_grad
 from grpo_kernels.ops.core.options import check_int
 from grpo_kernels.ops.core.platform import by_platform
 from grpo_kernels.ops.core.vjp import loss_with_gradient
@@ -102,8 +102,9 @@ class _Plan(NamedTuple):
 
 
 def _load(z: Array, row: Any, rows: int, col: Any, cols: int, temperature: float,
-          cpu: bool) -> Array:
-    """``z[row:row+rows, col:col+cols] / temperature`` in float32, ``z`` viewed as ``[N, V]``.
+          cpu: bool, softcap: float | None = None) -> Array:
+    """``z[row:row+rows, col:col+cols] / temperature`` in float32, ``z`` viewed as ``[N, V]``
+    (soft-capped first with ``softcap``: :func:`~grpo_kernels.ops.core.online_softmax.soft_cap`).
 
     With ``cpu``, 16-bit floats are sliced through a same-width unsigned-integer view: XLA:CPU
     has no native bfloat16 dynamic-slice and would convert the whole array to float32 (see the
@@ -119,7 +120,7 @@ def _load(z: Array, row: Any, rows: int, col: Any, cols: int, temperature: float
         block = jax.lax.bitcast_convert_type(block, z.dtype)
     else:
         block = jax.lax.dynamic_slice(z.reshape(-1, vocab), (row, col), (rows, cols))
-    return block.astype(_F32) / temperature
+    return soft_cap(block.astype(_F32), softcap) / temperature
 
 
 def _loop_carried(z: Array) -> Array:
@@ -138,9 +139,11 @@ def shift_probe_width(vocab: int) -> int:
 
 def row_statistics(
     z: Array, ids: Array, temperature: float, blocks: XlaBlockSizes | None = None,
-    probe_width: int | None = None,
+    probe_width: int | None = None, softcap: float | None = None,
 ) -> tuple[Array, Array, Array]:
-    """Per-row ``(logp, lse, entropy)`` of ``softmax(z / temperature)``, rows flattened.
+    """Per-row ``(logp, lse, entropy)`` of ``softmax(z / temperature)``, rows flattened (the
+    logits soft-capped first with ``softcap``; the probe's shift stays valid, the cap being
+    monotonic).
 
     The sweep is planned for the platform the program is lowered for
     (:func:`~grpo_kernels.ops.core.platform.by_platform`), not the tracing host's: a TPU
@@ -167,17 +170,18 @@ def row_statistics(
             shift_probe_width(vocab) if kind == "cpu" else vocab)
         return _Plan(rows, block_v, probe, kind == "cpu")
 
-    return by_platform(lambda p, z, ids: _row_statistics(z, ids, temperature, p), plan, z, ids)
+    return by_platform(lambda p, z, ids: _row_statistics(z, ids, temperature, p, softcap),
+                       plan, z, ids)
 
 
-def _row_statistics(z: Array, ids: Array, temperature: float, plan: _Plan
-                    ) -> tuple[Array, Array, Array]:
+def _row_statistics(z: Array, ids: Array, temperature: float, plan: _Plan,
+                    softcap: float | None = None) -> tuple[Array, Array, Array]:
     """:func:`row_statistics` under one platform's ``plan``."""
     vocab, n = z.shape[-1], ids.shape[0]
     rows, block_v, probe, cpu = plan
 
     def whole_rows(start, size, zz):
-        s = _load(zz, start, size, 0, vocab, temperature, cpu)
+        s = _load(zz, start, size, 0, vocab, temperature, cpu, softcap)
         idc = jax.lax.dynamic_slice_in_dim(ids, start, size)
         chosen = jnp.take_along_axis(s, idc[:, None], axis=1)[:, 0]
         if probe >= vocab:
@@ -189,7 +193,7 @@ def _row_statistics(z: Array, ids: Array, temperature: float, plan: _Plan
         # exact row-max path, so the result never depends on the shortcut.
         fast = block_stats(s, jnp.max(s[:, :probe], axis=1))
         ok = jnp.all(jnp.isfinite(fast[0]) & jnp.isfinite(fast[1]) & jnp.isfinite(fast[2]))
-        exact = lambda zz: block_stats(_load(zz, start, size, 0, vocab, temperature, cpu))
+        exact = lambda zz: block_stats(_load(zz, start, size, 0, vocab, temperature, cpu, softcap))
         return (*jax.lax.cond(ok, lambda zz: fast, exact, zz), chosen)
 
     def vocab_blocks(start, size, zz):
@@ -198,7 +202,7 @@ def _row_statistics(z: Array, ids: Array, temperature: float, plan: _Plan
         def block(col, width, carry):
             acc, zz = carry
             zz = _loop_carried(zz)
-            s = _load(zz, start, size, col, width, temperature, cpu)
+            s = _load(zz, start, size, col, width, temperature, cpu, softcap)
             cols = col + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
             chosen = acc[3] + jnp.sum(jnp.where(cols == idc, s, 0.0), axis=1)
             return (*merge_stats(acc[:3], block_stats(s)), chosen), zz
@@ -221,48 +225,56 @@ def _row_statistics(z: Array, ids: Array, temperature: float, plan: _Plan
 
 
 def logits_gradient(z: Array, ids: Array, lse: Array, grad: RowGrad,
-                    temperature: float) -> Array:
+                    temperature: float, softcap: float | None = None) -> Array:
     r"""``dL/dz`` in the dtype of ``z [..., V]``: :func:`softmax_grad` of ``u = z / tau - lse``
     with the row factors of ``grad`` over ``tau``; without an entropy term,
-    ``(g / tau) (onehot(ids) - exp(u))``.
+    ``(g / tau) (onehot(ids) - exp(u))``. With ``softcap`` ``z`` is capped first and the
+    result multiplied by the cap's derivative (:func:`soft_cap_grad`).
 
     ``ids``, ``lse`` and ``grad``'s arrays have the shape of ``z`` without its last axis. A
     single elementwise expression: XLA fuses it (and any later scaling) into one kernel.
     """
     row = grad.map(lambda x: x[..., None]).over(temperature)
-    u = z.astype(_F32) / temperature - lse[..., None]
+    capped = soft_cap(z.astype(_F32), softcap)
+    u = capped / temperature - lse[..., None]
     hit = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) == ids[..., None]
-    return cast_to(softmax_grad(u, hit, row.g, row.h, row.entropy), z.dtype)
+    d = softmax_grad(u, hit, row.g, row.h, row.entropy) * soft_cap_grad(capped, softcap)
+    return cast_to(d, z.dtype)
 
 
 def _forward(logits, batch: TokenBatch, with_grad: bool, *, config: GRPOLossConfig,
-             blocks: XlaBlockSizes | None) -> tuple[tuple[Array, dict[str, Array]], Array | None]:
+             blocks: XlaBlockSizes | None, softcap: float | None = None
+             ) -> tuple[tuple[Array, dict[str, Array]], Array | None]:
     b, t, vocab = logits.shape
     ids = batch.clamped_ids(vocab)
-    logp, lse, entropy = row_statistics(logits, ids.reshape(-1), config.temperature, blocks)
+    logp, lse, entropy = row_statistics(logits, ids.reshape(-1), config.temperature, blocks,
+                                        softcap=softcap)
     logp, lse, entropy = logp.reshape(b, t), lse.reshape(b, t), entropy.reshape(b, t)
     loss, metrics, grad = batch.loss(logp, entropy, config, with_grad)
     dlogits = None if grad is None else logits_gradient(logits, ids, lse, grad,
-                                                        config.temperature)
+                                                        config.temperature, softcap)
     return (loss, metrics), dlogits
 
 
 def xla_grpo_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
-                  options: XlaBlockSizes | None = None) -> tuple[Array, dict[str, Array]]:
+                  options: XlaBlockSizes | None = None,
+                  softcap: float | None = None) -> tuple[Array, dict[str, Array]]:
     """Chunked GRPO loss, differentiable w.r.t. ``logits`` (the batch gets zero cotangents).
 
     Args, returns: as :func:`grpo_kernels.grpo_loss` (checked there); ``options`` overrides
-    the chunking.
+    the chunking; ``softcap``: its ``logit_softcap``.
     """
 
     def forward(primals, batch, with_grad):
-        out, dlogits = _forward(primals[0], batch, with_grad, config=config, blocks=options)
+        out, dlogits = _forward(primals[0], batch, with_grad, config=config, blocks=options,
+                                softcap=softcap)
         return out, (dlogits,)
 
     return loss_with_gradient(forward)((logits,), batch)
 
 
-def pieces(shape: tuple[int, ...], options: XlaBlockSizes | None, temperature: float):
+def pieces(shape: tuple[int, ...], options: XlaBlockSizes | None, temperature: float,
+           softcap: float | None = None):
     """``(stats, grad)`` on primals ``(z,)``, ``z`` a ``[B, T, V_k]`` block of logits (a
     vocabulary shard):
 
@@ -274,10 +286,11 @@ def pieces(shape: tuple[int, ...], options: XlaBlockSizes | None, temperature: f
     b, t, _ = shape
 
     def stats(primals, ids):
-        out = row_statistics(primals[0], ids.reshape(-1), temperature, options)
+        out = row_statistics(primals[0], ids.reshape(-1), temperature, options,
+                             softcap=softcap)
         return tuple(x.reshape(b, t) for x in out)
 
     def grad(primals, hit_ids, lse, row_grad):
-        return (logits_gradient(primals[0], hit_ids, lse, row_grad, temperature),)
+        return (logits_gradient(primals[0], hit_ids, lse, row_grad, temperature, softcap),)
 
     return stats, grad

@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.ops.core.reference import token_logp_and_entropy
-from grpo_kernels.ops.core.validate import check_ids_in_range, check_shape, resolve_impl, shape_of
+from grpo_kernels.ops.core.validate import (check_ids_in_range, check_shape, check_softcap,
+                                            resolve_impl, shape_of)
 from grpo_kernels.ops.core.vjp import with_softmax_gradient
 from grpo_kernels.ops.lm_head_loss import api as head_api
 from grpo_kernels.ops.lm_head_loss import pallas_tpu as head_pallas
@@ -90,7 +91,8 @@ def from_pieces(stats: Any, grad: Any, primals: tuple, ids: Array,
 def token_logps(logits: Array, ids: Array, *, temperature: float = 1.0,
                 return_entropy: bool = False, impl: str = "auto",
                 options: logits_xla.XlaBlockSizes | logits_pallas.PallasOptions | None = None,
-                check_ids: bool = False) -> Array | tuple[Array, Array]:
+                check_ids: bool = False,
+                logit_softcap: float | None = None) -> Array | tuple[Array, Array]:
     r"""Per-token log-probs :math:`\log\mathrm{softmax}(z / \tau)[y]` of logits, float32.
 
     Args:
@@ -103,6 +105,8 @@ def token_logps(logits: Array, ids: Array, *, temperature: float = 1.0,
         ``"pallas"`` (interpret mode on CPU, for tests).
       options: ``XlaBlockSizes`` for ``xla``, ``PallasOptions`` for ``pallas``.
       check_ids: Raise ValueError for an id outside ``[0, V)``.
+      logit_softcap: :math:`c > 0`: the logits soft-capped, :math:`c \tanh(z / c)`, before
+        the temperature (``reference`` and ``xla``).
 
     Returns:
       ``logp [B, T]`` float32, or ``(logp, entropy)``; differentiable w.r.t. ``logits``.
@@ -122,12 +126,13 @@ def token_logps(logits: Array, ids: Array, *, temperature: float = 1.0,
     b, t, vocab = check_logits(logits)
     tau = check_temperature(temperature)
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
+    softcap = check_softcap(logit_softcap, impl)
     ids = check_token_ids(ids, b, t, vocab, check_ids)
     if impl == "reference":
-        logp, ent = token_logp_and_entropy(logits, ids, tau)
+        logp, ent = token_logp_and_entropy(logits, ids, tau, softcap)
     elif impl == "xla":
-        logp, ent = from_pieces(*logits_xla.pieces(logits.shape, options, tau), (logits,), ids,
-                                return_entropy)
+        logp, ent = from_pieces(*logits_xla.pieces(logits.shape, options, tau, softcap),
+                                (logits,), ids, return_entropy)
     else:
         logp, ent = from_pieces(*logits_pallas.pieces(logits.shape, logits.dtype, options, tau),
                                 (logits,), ids, return_entropy)
@@ -137,7 +142,8 @@ def token_logps(logits: Array, ids: Array, *, temperature: float = 1.0,
 def token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *,
                             lm_head_layout: str = "hv", bias: Array | None = None,
                             temperature: float = 1.0, logits_dtype: Any = None,
-                            return_entropy: bool = False, impl: str = "auto",
+                            logit_softcap: float | None = None, return_entropy: bool = False,
+                            impl: str = "auto",
                             options: head_xla.LmHeadBlockSizes | head_pallas.LmHeadPallasOptions
                             | None = None,
                             check_ids: bool = False) -> Array | tuple[Array, Array]:
@@ -155,6 +161,8 @@ def token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *,
       ids: ``[B, T]`` integer token ids (clamped into ``[0, V)`` unless ``check_ids``).
       lm_head_layout, bias, logits_dtype: as :func:`grpo_kernels.grpo_loss_from_hidden`.
       temperature: :math:`\tau > 0`.
+      logit_softcap: :math:`c > 0`: the logits soft-capped, :math:`c \tanh(z / c)`, after the
+        head and before the temperature (Gemma 2's final-logit cap; ``reference`` and ``xla``).
       return_entropy: Also return each position's entropy.
       impl: ``"auto"`` (``xla``), ``"reference"`` (materialised logits), ``"xla"`` (one
         chunked matmul and the softmax statistics) or ``"pallas"`` (TPU kernel).
@@ -178,16 +186,17 @@ def token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *,
       >>> bool(jnp.allclose(fused, token_logps(h @ w, ids, impl="reference"), atol=1e-5))
       True
     """
-    fmt = head_api.validate_head(hidden, lm_head, lm_head_layout, bias, logits_dtype)
+    impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
+    fmt = head_api.validate_head(hidden, lm_head, lm_head_layout, bias, logits_dtype,
+                                 logit_softcap, impl)
     b, t, _ = hidden.shape
     vocab = fmt.vocab(lm_head)
     tau = check_temperature(temperature)
-    impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
     ids = check_token_ids(ids, b, t, vocab, check_ids)
     primals = (hidden, lm_head, bias)
     if impl == "reference":
         z = head_logits(hidden, lm_head, fmt.layout, bias, fmt.logits_dtype)
-        logp, ent = token_logp_and_entropy(z, ids, tau)
+        logp, ent = token_logp_and_entropy(z, ids, tau, fmt.softcap)
     elif impl == "xla":
         logp, ent = from_pieces(
             *head_xla.pieces(hidden, lm_head, fmt, options, tau, vocab, None), primals, ids,
