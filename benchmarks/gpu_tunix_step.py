@@ -17,7 +17,11 @@ Arms:
   ``[B, P + C, V]`` logits, float32;
 - ``fused-xla``: ours, ``policy_loss_fn="grpo_kernels_fused"`` with the adapter's defaults
   (``integrations.tunix.fused_policy_loss``: ``LmHeadBlockSizes(dweight="vocab")``);
-- ``xla``: ours, ``policy_loss_fn="grpo_kernels"`` on the completion's logits, impl xla.
+- ``xla``: ours, ``policy_loss_fn="grpo_kernels"`` on the completion's logits, impl xla;
+- ``logps-tunix``, ``logps-ours``: the log-prob pass alone (the reference model's and the old
+  policy's in a GRPO iteration), forward only: tunix's ``compute_per_token_logps``, and ours
+  (``integrations.tunix.log_probs_function()``, what ``patch_log_probs`` binds). Their row has
+  the mean log-prob over the completion mask where the update's has the loss.
 
 One arm per process (the device's peak is then the arm's own); prints one JSON line as
 ``gpu_train_step.py`` does. Exit 3 (skipped, with the reason) where tunix is not installed.
@@ -39,7 +43,7 @@ import numpy as np  # noqa: E402
 
 import gpu_train_step  # noqa: E402
 
-ARMS = ("tunix", "fused-xla", "xla")
+ARMS = ("tunix", "fused-xla", "xla", "logps-tunix", "logps-ours")
 PAD, EOS = 0, 1
 
 
@@ -112,6 +116,25 @@ def run(args: argparse.Namespace) -> dict:
         advantages=jnp.asarray(mb["advantages"]), ref_per_token_logps=ref,
         old_per_token_logps=None)
     del own
+    n = args.rows * args.completion
+    common_row = {"arm": args.arm, "backend": jax.default_backend(),
+                  "device_kind": jax.devices()[0].device_kind, "model": args.model,
+                  "layers": args.layers, "rows": args.rows, "prompt": args.prompt,
+                  "completion": args.completion, "vocab": vocab,
+                  "logits_f32_bytes": n * vocab * 4}
+    if args.arm.startswith("logps-"):
+        from grpo_kernels.integrations import tunix as ours
+
+        fn = (common.compute_per_token_logps if args.arm == "logps-tunix"
+              else ours.log_probs_function())
+        full_graph, state = nnx.split(model)
+        step = jax.jit(lambda st, p, c: fn(full_graph, st, p, c, PAD, EOS))
+        r = gpu_train_step.measure(step, (state, prompt_ids, completion_ids), args.iters,
+                                   args.warmup)
+        logps = r.pop("first")
+        mask = jnp.asarray(mb["mask"], jnp.float32)
+        return {"op": "tunix-logps", **common_row,
+                "mean_logp": float(jnp.sum(logps * mask) / jnp.sum(mask)), **r}
     config = tpu_tunix_step.algo_config()
     fn = policy_loss(args.arm)
 
@@ -121,7 +144,6 @@ def run(args: argparse.Namespace) -> dict:
     r = gpu_train_step.measure(jax.jit(jax.value_and_grad(loss)), (params, example),
                                args.iters, args.warmup)
     value, grads = r.pop("first")
-    n = args.rows * args.completion
     return {"op": "tunix-step", "arm": args.arm, "backend": jax.default_backend(),
             "device_kind": jax.devices()[0].device_kind, "model": args.model,
             "layers": args.layers, "rows": args.rows, "prompt": args.prompt,
@@ -139,7 +161,8 @@ def main(argv=None) -> int:
         return gpu_train_step.SKIPPED
     row = run(args)
     print(json.dumps(row), flush=True)
-    return 0 if np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"]) else 1
+    values = [row["mean_logp"]] if "mean_logp" in row else [row["loss"], row["grad_norm"]]
+    return 0 if all(np.isfinite(v) for v in values) else 1
 
 
 if __name__ == "__main__":

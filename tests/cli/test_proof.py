@@ -379,7 +379,8 @@ def test_the_step_plan_and_its_dry_twin():
     assert [n for n in names if n.startswith(("compile_", "memory_"))] == [
         f"{kind}_head_{v}" for v in ("tokens", "vocab", "vocab_1024")
         for kind in ("compile", "memory")]
-    assert [n for n in names if n.startswith("tunix_")] == ["tunix_tunix", "tunix_fused-xla"]
+    assert [n for n in names if n.startswith("tunix_")] == [
+        "tunix_tunix", "tunix_fused-xla", "tunix_logps-tunix", "tunix_logps-ours"]
     assert not any(n.startswith(("bench", "gradcheck", "gpu_")) for n in names)
     dry = [n for n, _, _ in proof.phases(set(proof.DRY_STEP.groups), proof.DRY_STEP)]
     assert [n.rsplit("_", 1)[0] if n.endswith("_8") else n for n in dry] == [
@@ -461,6 +462,8 @@ def test_dry_run_of_the_step_plan(tmp_path):
         assert row["loss_ok"] and row["grad_norm_ok"] and row["pipelined_ms"] > 0, arm
     assert set(fig["tunix_step"]) == {"tunix", "fused-xla"}
     assert fig["tunix_step"]["fused-xla"]["loss_ok"]
+    assert set(fig["tunix_logps"]) == {"logps-tunix", "logps-ours"}
+    assert fig["tunix_logps"]["logps-ours"]["mean_logp_rel_diff"] <= 1e-5
     runs = fig["ab"]["runs"]
     assert set(runs) == {"logits-reference", "fused-xla"} and runs["fused-xla"]["step1_loss_ok"]
     assert all(r["update_after_step1_s"] > 0 for r in runs.values())

@@ -87,7 +87,7 @@ class Plan:
     train_arms: tuple[str, ...] = ("logits-reference", "logits-xla", "logits-pallas",
                                    "fused-xla", "fused-xla-chunk1024", "fused-xla-vocab",
                                    "fused-pallas")
-    tunix_arms: tuple[str, ...] = ("tunix", "fused-xla")
+    tunix_arms: tuple[str, ...] = ("tunix", "fused-xla", "logps-tunix", "logps-ours")
     # The trainer's A/B (configs/gpu_ab.yaml): steps per arm and --set overrides.
     ab_steps: int = 3
     ab_sets: tuple[str, ...] = ()

@@ -171,6 +171,7 @@ def figures(records: list[dict]) -> dict[str, Any]:
                 "loss_rel_diff": row.get("loss_rel_diff")}
     fig["train_step"] = step_table(records, "train_", "logits-reference")
     fig["tunix_step"] = step_table(records, "tunix_", "tunix")
+    fig["tunix_logps"] = logps_table(records)
     fig["head_peer"] = head_peer(records, fig["memory"])
     for phase, rows in _rows(records, "compile_head_").items():
         for row in rows:
@@ -197,7 +198,8 @@ def step_table(records: list[dict], prefix: str, baseline: str) -> dict[str, Any
     """The rows of the step phases named ``prefix + arm``, by arm, each with its ratios to
     ``baseline``'s (time back to back, device peak) and its first step against it."""
     out = {phase[len(prefix):]: {k: rows[0].get(k) for k in STEP_KEYS}
-           for phase, rows in _rows(records, prefix).items() if rows}
+           for phase, rows in _rows(records, prefix).items()
+           if rows and rows[0].get("op") != "tunix-logps"}
     base = out.get(baseline)
     for arm, r in out.items():
         if base is None:
@@ -209,6 +211,24 @@ def step_table(records: list[dict], prefix: str, baseline: str) -> dict[str, Any
         r["grad_norm_rel_diff"] = abs(r["grad_norm"] - base["grad_norm"]) / max(
             abs(base["grad_norm"]), 1e-30)
         r["grad_norm_ok"] = r["grad_norm_rel_diff"] <= STEP_GRAD_NORM_RTOL
+    return out
+
+
+def logps_table(records: list[dict]) -> dict[str, Any]:
+    """The log-prob pass rows (``op == "tunix-logps"``) by arm, with the time and peak ratios
+    to tunix's pass and the relative difference of the mean log-prob."""
+    out = {}
+    for phase, rows in _rows(records, "tunix_").items():
+        if rows and rows[0].get("op") == "tunix-logps":
+            out[rows[0]["arm"]] = {k: rows[0].get(k) for k in (
+                "median_ms", "pipelined_ms", "peak_bytes_in_use", "temp_bytes", "mean_logp")}
+    base = out.get("logps-tunix")
+    for r in out.values():
+        if base is not None:
+            r["time_ratio"] = _ratio(r["pipelined_ms"], base["pipelined_ms"])
+            r["peak_ratio"] = _ratio(r["peak_bytes_in_use"], base["peak_bytes_in_use"])
+            r["mean_logp_rel_diff"] = abs(r["mean_logp"] - base["mean_logp"]) / max(
+                abs(base["mean_logp"]), 1e-30)
     return out
 
 
@@ -381,7 +401,7 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
                  for i in ("reference", "xla"))
     saving = None if ref is None or ours is None else ref - ours
     peer = fig.get("head_peer") or {}
-    step_plan = any(fig.get(k) for k in ("train_step", "tunix_step", "ab")) or bool(
+    step_plan = any(fig.get(k) for k in ("train_step", "tunix_step", "tunix_logps", "ab")) or bool(
         peer.get("ours") or peer.get("liger"))
     if not step_plan:  # the op plans' head target (unmeasured: None, with the reason)
         out.append(_target("fused head peak saving vs reference (bytes)", saving,
@@ -529,6 +549,15 @@ def step_markdown(fig: dict[str, Any]) -> list[str]:
                   f"{_fmt(r['compile_s'])} | {_fmt(r['loss'])} | {_fmt(r['grad_norm'])} | "
                   f"{_fmt(r.get('loss_ok'))} | {_fmt(r.get('grad_norm_ok'))} |"
                   for arm, r in table.items()]
+    logps = fig.get("tunix_logps") or {}
+    if logps:
+        lines += ["", "| tunix log-prob pass | ms, alone | ms, back to back | time ratio | "
+                  "device peak GB | peak ratio | mean log-prob | relative difference |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {arm} | {_fmt(r['median_ms'])} | {_fmt(r['pipelined_ms'])} | "
+                  f"{_fmt(r.get('time_ratio'))} | {_gb(r['peak_bytes_in_use'])} | "
+                  f"{_fmt(r.get('peak_ratio'))} | {_fmt(r['mean_logp'])} | "
+                  f"{_fmt(r.get('mean_logp_rel_diff'))} |" for arm, r in logps.items()]
     peer = fig.get("head_peer") or {}
     if peer.get("ours") or peer.get("liger"):
         lines += ["", "| fused head vs Liger | median ms | planned temp GB | device / torch "
