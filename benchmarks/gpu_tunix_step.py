@@ -104,24 +104,14 @@ def run(args: argparse.Namespace) -> dict:
     mb = gpu_train_step.micro_batch(args.seed, args.rows, args.prompt, args.completion, vocab)
     p = args.prompt
     prompt_ids, completion_ids = jnp.asarray(mb["ids"][:, :p]), jnp.asarray(mb["ids"][:, p:])
-    # tunix's random initialisation is not a trained model's (its log-probs are far from
-    # -log V), so the reference log-probs are the model's own, by tunix's own pass, plus the
-    # micro-batch's noise: a first step's KL term, small and not zero.
-    own = jax.jit(lambda state, a, b: common.compute_per_token_logps(
-        graphdef, state, a, b, PAD, EOS))(nnx.state(model), prompt_ids, completion_ids)
-    ref = own + (jnp.asarray(mb["ref_logps"]) + np.log(vocab))
-    example = common.TrainExample(
-        prompt_ids=prompt_ids, prompt_mask=jnp.asarray(mb["attention"][:, :p]),
-        completion_ids=completion_ids, completion_mask=jnp.asarray(mb["mask"]),
-        advantages=jnp.asarray(mb["advantages"]), ref_per_token_logps=ref,
-        old_per_token_logps=None)
-    del own
     n = args.rows * args.completion
     common_row = {"arm": args.arm, "backend": jax.default_backend(),
                   "device_kind": jax.devices()[0].device_kind, "model": args.model,
                   "layers": args.layers, "rows": args.rows, "prompt": args.prompt,
                   "completion": args.completion, "vocab": vocab,
                   "logits_f32_bytes": n * vocab * 4}
+    # The log-prob arms run before the update's set-up: that set-up calls tunix's own pass,
+    # whose [B, P + C, V] logits would otherwise be the process's peak in both arms.
     if args.arm.startswith("logps-"):
         from grpo_kernels.integrations import tunix as ours
 
@@ -135,6 +125,18 @@ def run(args: argparse.Namespace) -> dict:
         mask = jnp.asarray(mb["mask"], jnp.float32)
         return {"op": "tunix-logps", **common_row,
                 "mean_logp": float(jnp.sum(logps * mask) / jnp.sum(mask)), **r}
+    # tunix's random initialisation is not a trained model's (its log-probs are far from
+    # -log V), so the reference log-probs are the model's own, by tunix's own pass, plus the
+    # micro-batch's noise: a first step's KL term, small and not zero.
+    own = jax.jit(lambda state, a, b: common.compute_per_token_logps(
+        graphdef, state, a, b, PAD, EOS))(nnx.state(model), prompt_ids, completion_ids)
+    ref = own + (jnp.asarray(mb["ref_logps"]) + np.log(vocab))
+    example = common.TrainExample(
+        prompt_ids=prompt_ids, prompt_mask=jnp.asarray(mb["attention"][:, :p]),
+        completion_ids=completion_ids, completion_mask=jnp.asarray(mb["mask"]),
+        advantages=jnp.asarray(mb["advantages"]), ref_per_token_logps=ref,
+        old_per_token_logps=None)
+    del own
     config = tpu_tunix_step.algo_config()
     fn = policy_loss(args.arm)
 
