@@ -18,8 +18,8 @@ drawn from ``--seed`` alone, so every arm's process sees the same numbers. Arms
 - ``logits-pallas``: the same through the Pallas kernels, dlogits written over the logits
   (``alias_logits``, the trainer's default);
 - ``fused-xla``: ``grpo_loss_from_hidden``, its default options (``dW`` summed over token
-  chunks in a float32 accumulator); ``fused-xla-chunk1024``: chunks of 1,024 tokens
-  (``LmHeadBlockSizes(chunk_tokens=1024)``, half the GPU's planned 2,048 at this vocabulary);
+  chunks in a float32 accumulator); ``fused-xla-chunk2048``: chunks of 2,048 tokens
+  (``LmHeadBlockSizes(chunk_tokens=2048)``, twice the GPU's planned 1,024 at this vocabulary);
   ``fused-xla-vocab``: ``LmHeadBlockSizes(dweight="vocab")``;
 - ``fused-pallas``: the fused head's Pallas kernels, which are TPU kernels: on any other
   backend the arm is skipped with that reason (exit 3).
@@ -57,7 +57,7 @@ ARMS = {"logits-reference": ("logits", "reference", None),
         "logits-xla": ("logits", "xla", None),
         "logits-pallas": ("logits", "pallas", None),  # alias_logits: the trainer's default
         "fused-xla": ("fused", "xla", None),
-        "fused-xla-chunk1024": ("fused", "xla", {"chunk_tokens": 1024}),
+        "fused-xla-chunk2048": ("fused", "xla", {"chunk_tokens": 2048}),
         "fused-xla-vocab": ("fused", "xla", {"dweight": "vocab"}),
         "fused-pallas": ("fused", "pallas", None)}
 SKIPPED = 3  # the proof's exit code for a phase this backend cannot run, with its reason

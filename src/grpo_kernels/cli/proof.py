@@ -85,7 +85,7 @@ class Plan:
     step_batch: tuple[int, int, int] = (8, 256, 1024)
     step_iters: int = 5
     train_arms: tuple[str, ...] = ("logits-reference", "logits-xla", "logits-pallas",
-                                   "fused-xla", "fused-xla-chunk1024", "fused-xla-vocab",
+                                   "fused-xla", "fused-xla-chunk2048", "fused-xla-vocab",
                                    "fused-pallas")
     tunix_arms: tuple[str, ...] = ("tunix", "fused-xla", "logps-tunix", "logps-ours")
     # The trainer's A/B (configs/gpu_ab.yaml): steps per arm and --set overrides.
@@ -95,9 +95,9 @@ class Plan:
     # --head-variants: dweight mode @ chunk rows), and those whose device peak is measured
     # (dweight, chunk rows or None for the planner's): each compiled in one process, then
     # loaded from the compile cache and run in another, whose peak is the step's alone.
-    head_variants: str = "xla-tokens,xla-vocab,xla-tokens@1024,xla-vocab@1024"
+    head_variants: str = "xla-tokens,xla-vocab,xla-tokens@2048,xla-vocab@2048"
     head_memory: tuple[tuple[str, int | None], ...] = (
-        ("tokens", None), ("vocab", None), ("vocab", 1024))
+        ("tokens", None), ("vocab", None), ("tokens", 2048))
 
 
 GROUPS = ("env", "layouts", "logits", "lm_head", "liger")

@@ -422,8 +422,8 @@ def test_plan_chunk():
     assert plan_chunk(4096, 32768, LmHeadBlockSizes(), "cpu") == 256
     assert plan_chunk(100, 32768, LmHeadBlockSizes(chunk_tokens=300), "cpu") == 100
     assert plan_chunk(10**6, 10**7, LmHeadBlockSizes(), "cpu") == 8
-    # GPU: 2 GiB over 4 V bytes (3528 rows at V = 151,936), down to a power of two
-    assert plan_chunk(8192, 151_936, LmHeadBlockSizes(), "gpu") == 2048
+    # GPU: 1 GiB over 4 V bytes (1764 rows at V = 151,936), down to a power of two
+    assert plan_chunk(8192, 151_936, LmHeadBlockSizes(), "gpu") == 1024
     assert plan_chunk(1000, 151_936, LmHeadBlockSizes(), "gpu") == 1000
     assert plan_chunk(8192, 151_936, LmHeadBlockSizes(chunk_bytes=100 << 20), "gpu") == 128
     assert plan_vocab_block(8192, 151_936, LmHeadBlockSizes(), "cpu") == 128
