@@ -24,8 +24,8 @@ def _aggregate(per_token, mask, cfg, num_items):
         return seq_sum.sum() / rows
     if cfg.loss_type in ("grpo", "sapo"):
         return (seq_sum / np.maximum(mask.sum(-1), 1)).mean()
-    if cfg.loss_type == "luspo":  # TRL: every position, each row weighted by its length
-        return (per_token * mask.sum(-1, keepdims=True)).mean()
+    if cfg.loss_type == "luspo":  # TRL 1.16: mask, sum each row, mean over rows
+        return (per_token * mask).sum(-1).mean()
     if cfg.loss_type == "dr_grpo":
         return seq_sum.sum() / (per_token.shape[0] * cfg.max_completion_length)
     norm = max(mask.sum(), 1) if num_items is None else num_items
@@ -136,13 +136,9 @@ def oracle(logits, ids, mask, adv, cfg, old=None, ref=None, num_items=None, samp
     policy_loss = _aggregate(policy, mask, cfg, num_items)
     kl_loss = 0.0 if kl is None else _aggregate(kl, mask, cfg, num_items)
     loss = policy_loss + cfg.beta * kl_loss if cfg.beta > 0 else policy_loss
-    if cfg.entropy_coef != 0:  # TRL 1.16's entropy bonus
+    if cfg.entropy_coef != 0:  # TRL 1.16: a token mean, whatever the loss type normalises by
         effective = mask * selected
-        if cfg.loss_type in ("cispo", "dapo", "vespo"):
-            norm = max(mask.sum(), 1) if num_items is None else num_items
-        else:
-            norm = max(effective.sum(), 1)
-        loss = loss - cfg.entropy_coef * (entropy * effective).sum() / norm
+        loss = loss - cfg.entropy_coef * (entropy * effective).sum() / max(effective.sum(), 1)
 
     n_tok = max(mask.sum(), 1)
 

@@ -16,7 +16,7 @@ LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo
 CLASSIC_LOSS_TYPES: tuple[str, ...] = LOSS_TYPES[:4]
 # Loss types whose per-token policy term is PPO's clipped surrogate (the clip options apply).
 CLIPPED_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-# Loss types TRL normalises by num_items_in_batch (dapo's rule), the entropy bonus included.
+# Loss types TRL normalises by num_items_in_batch (dapo's rule); never the entropy bonus.
 NUM_ITEMS_LOSS_TYPES: tuple[str, ...] = ("dapo", "cispo", "vespo")
 # TRL's vllm_importance_sampling_mode values.
 SAMPLER_CORRECTIONS: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate",

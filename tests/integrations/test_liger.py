@@ -2,6 +2,13 @@
 Liger has the option: CISPO, SAPO, VESPO, LUSPO, the sampler correction (Liger takes the
 ratio, ``vllm_is_ratio``), the KL bias correction. Liger has no entropy terms.
 
+Where Liger 0.8.5 and TRL 1.16 differ, ours is TRL's and the test says so: LUSPO's
+aggregation. TRL 1.16 (``GRPOTrainer._compute_loss``) takes ``(per_token_loss * mask).sum(-1)
+.mean()``; Liger ``(per_token_loss * mask.sum(-1, keepdim=True)).mean()``, which also counts
+padding positions. The two agree when the per-token loss is one value per sequence (sequence
+level, no KL term); otherwise the case holds ours to the float64 oracle of TRL's formula and
+checks that Liger's value is not it.
+
 ``make test`` installs liger-kernel (without its Triton dependency: the chunked losses are
 plain torch), so CI runs these; without torch or liger-kernel the module is skipped and says
 so.
@@ -13,7 +20,7 @@ import numpy as np
 import pytest
 
 from grpo_kernels import GRPOLossConfig, grpo_loss_from_hidden
-from tests.oracle import _sampler_ratio
+from tests.oracle import _sampler_ratio, oracle
 
 torch = pytest.importorskip("torch", reason="torch is not installed (the dev extra has it)")
 liger = pytest.importorskip(
@@ -28,6 +35,7 @@ CASES = [
     dict(loss_type="vespo", beta=0.04),
     dict(loss_type="vespo", sampler_correction="token_truncate", sampler_correction_max=1.05),
     dict(loss_type="luspo", beta=0.04),
+    dict(loss_type="luspo", delta=1.5),
     dict(loss_type="luspo", importance_sampling_level="sequence"),
     dict(loss_type="grpo", beta=0.04, kl_bias_correction=True, delta=1.3),
     dict(loss_type="dapo", sampler_correction="token_mask", sampler_correction_min=0.9,
@@ -37,6 +45,12 @@ CASES = [
          kl_bias_correction=True, sampler_correction="sequence_mask",
          sampler_correction_min=0.5, sampler_correction_max=1.5),
 ]
+
+
+def _liger_aggregates_otherwise(cfg):
+    """LUSPO with a per-token loss that varies along the sequence (see the module docstring)."""
+    return cfg.loss_type == "luspo" and (cfg.importance_sampling_level == "token"
+                                         or cfg.beta > 0)
 
 
 def _id(case):
@@ -88,6 +102,12 @@ def test_matches_liger_fused_linear_grpo(case):
                   old_per_token_logps=torch.tensor(old), vllm_is_ratio=ratio,
                   num_items_in_batch=torch.tensor(float(mask.sum())))
     want = out[0] if isinstance(out, tuple) else out
+    if _liger_aggregates_otherwise(cfg):
+        trl, _ = oracle(hidden.astype(np.float64) @ w.astype(np.float64).T, ids, mask, adv, cfg,
+                        old, ref if cfg.beta > 0 else None, sampler_logps=sampler)
+        np.testing.assert_allclose(float(loss), trl, rtol=1e-5, atol=1e-6)
+        assert abs(float(want.detach()) - trl) > 1e-3 * abs(trl)
+        return
     want.backward()
     np.testing.assert_allclose(float(loss), float(want.detach()), rtol=1e-5, atol=1e-6)
     for got, ref_grad in ((dh, th.grad), (dw, tw.grad)):

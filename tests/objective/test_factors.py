@@ -83,17 +83,19 @@ def test_vespo_weights_against_the_gamma_formula():
                                            cfg)[0, 0]) - 1.0) < 1e-6  # phi(1) = 1
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_entropy_weights(loss_type):
+def test_entropy_weights():
+    """A token mean over the policy term's tokens, whatever the loss type (TRL 1.16 never
+    divides the bonus by ``num_items_in_batch``): weights of the ``selected`` tokens over their
+    count, of every real token over the mask's count without a selection."""
     selected = np.array([[1, 0, 1, 1], [0, 1, 1, 0], [1, 1, 0, 1]], np.float64)
-    cfg = GRPOLossConfig(loss_type=loss_type)
-    got = np.asarray(factors.entropy_weights(MASK, cfg, None, _local, selected))
     eff = MASK * selected
-    norm = MASK.sum() if loss_type == "dapo" else eff.sum()
-    np.testing.assert_allclose(got, eff / norm, rtol=1e-6)
-    np.testing.assert_allclose(
-        np.asarray(factors.entropy_weights(MASK, cfg, 20.0, _local, selected)),
-        eff / (20.0 if loss_type == "dapo" else eff.sum()), rtol=1e-6)
+    assert 0 < eff.sum() < MASK.sum()
+    np.testing.assert_allclose(np.asarray(factors.entropy_weights(MASK, _local, selected)),
+                               eff / eff.sum(), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(factors.entropy_weights(MASK, _local)),
+                               MASK / MASK.sum(), rtol=1e-6)
+    empty = np.zeros_like(MASK)
+    assert not np.asarray(factors.entropy_weights(empty, _local)).any()
 
 
 def test_factors_carry_no_gradient():

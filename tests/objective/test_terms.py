@@ -150,8 +150,8 @@ def test_gspo_token_gradient_formula_with_sampler_weights():
 
 
 def test_new_loss_types_weights():
-    """sapo aggregates as grpo; cispo and vespo as dapo; luspo weights every position of a row
-    by the row's length over B T (TRL's mean over all positions)."""
+    """sapo aggregates as grpo; cispo and vespo as dapo; luspo sums each row over its tokens
+    and takes the mean over rows (TRL 1.16's ``(per_token_loss * mask).sum(-1).mean()``)."""
     def weights(loss_type, **kw):
         return np.asarray(token_weights(MASK, GRPOLossConfig(loss_type=loss_type), **kw))
 
@@ -159,7 +159,7 @@ def test_new_loss_types_weights():
     for lt in ("cispo", "vespo"):
         np.testing.assert_allclose(weights(lt, num_items_in_batch=8.0),
                                    weights("dapo", num_items_in_batch=8.0))
-    np.testing.assert_allclose(weights("luspo"), np.array([[3] * 4, [1] * 4, [0] * 4]) / 12)
+    np.testing.assert_allclose(weights("luspo"), MASK / 3)
 
 
 def test_policy_terms_of_the_new_loss_types():

@@ -1,4 +1,4 @@
-"""The micro-batch loss: accumulation with global normalisers, and the loss impls agreeing."""
+"""The micro-batch loss: accumulation as TRL 1.16 accumulates, and the loss impls agreeing."""
 
 import dataclasses
 
@@ -11,7 +11,7 @@ from flax import nnx
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.models.config import ModelConfig
 from grpo_kernels.models.decoder import Decoder
-from grpo_kernels.rl.policy import Batch, loss_on, make_programs, micro_scale
+from grpo_kernels.rl.policy import Batch, loss_on, make_programs, micro_config, micro_scale
 
 P, C, V = 5, 6, 97
 
@@ -42,11 +42,14 @@ def _batch(rows=4, seed=0, old=False, ref=False, sampler=False):
 
 
 def _grads(arm, config, batch, micro, dtype=jnp.float32, logits_dtype=jnp.float32,
-           **model_kw):
+           entropies=None, **model_kw):
+    """The trainer's accumulation over micro-batches of ``micro`` rows: ``(loss, grads)``;
+    each micro-batch's entropy metric appended to ``entropies`` when given."""
     model = _model(dtype, **model_kw)
     graphdef, state = nnx.split(model)
     head, impl = arm
-    grad_fn, _ = make_programs(graphdef, head=head, impl=impl, config=config, prompt_width=P,
+    mb_config = micro_config(config, batch.rows // micro)
+    grad_fn, _ = make_programs(graphdef, head=head, impl=impl, config=mb_config, prompt_width=P,
                                logits_dtype=logits_dtype)
     grad_fn = jax.jit(grad_fn)
     total_tokens = int(batch.mask.sum())
@@ -54,9 +57,11 @@ def _grads(arm, config, batch, micro, dtype=jnp.float32, logits_dtype=jnp.float3
     for start in range(0, batch.rows, micro):
         mb = {k: None if v is None else jnp.asarray(v)
               for k, v in batch.micro(start, micro).items()}
-        scale = micro_scale(config, micro, int(mb["mask"].sum()), batch.rows, total_tokens)
-        (part, _), g = grad_fn(state, mb, jnp.float32(scale), jnp.float32(total_tokens))
+        scale = micro_scale(mb_config, micro, batch.rows)
+        (part, metrics), g = grad_fn(state, mb, jnp.float32(scale), jnp.float32(total_tokens))
         loss += float(part)
+        if entropies is not None:
+            entropies.append(float(metrics["entropy"]))
         grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
     return loss, grads
 
@@ -214,10 +219,47 @@ def test_logits_dtype_rounds_the_logits_every_arm_sees(arm):
 
 
 def test_micro_scale_weights():
-    g = GRPOLossConfig()
-    assert micro_scale(g, 2, 10, 8, 40) == 0.25
-    assert micro_scale(dataclasses.replace(g, loss_type="bnpo"), 2, 10, 8, 40) == 0.25
-    assert micro_scale(dataclasses.replace(g, loss_type="bnpo"), 2, 0, 8, 0) == 0.0
-    assert micro_scale(dataclasses.replace(g, loss_type="dapo"), 2, 10, 8, 40) == 1.0
-    for loss_type, want in (("sapo", 0.25), ("luspo", 0.25), ("cispo", 1.0), ("vespo", 1.0)):
-        assert micro_scale(dataclasses.replace(g, loss_type=loss_type), 2, 10, 8, 40) == want
+    g = GRPOLossConfig(max_completion_length=C)
+    for loss_type, want in (("grpo", 0.25), ("dr_grpo", 0.25), ("sapo", 0.25),
+                            ("luspo", 0.25), ("dapo", 1.0), ("cispo", 1.0), ("vespo", 1.0)):
+        assert micro_scale(dataclasses.replace(g, loss_type=loss_type), 2, 8) == want
+    bnpo = micro_config(dataclasses.replace(g, loss_type="bnpo"), 4)
+    assert bnpo.loss_type == "dapo" and micro_scale(bnpo, 2, 8) == 1.0
+
+
+def test_micro_config():
+    """bnpo runs as dapo over the batch's tokens; the num_items types' entropy coefficient is
+    divided by the accumulation steps, the per-row types' not (their scale divides it)."""
+    assert micro_config(GRPOLossConfig(entropy_coef=0.1), 4).entropy_coef == 0.1
+    for loss_type in ("bnpo", "dapo", "cispo", "vespo"):
+        got = micro_config(GRPOLossConfig(loss_type=loss_type, entropy_coef=0.1), 4)
+        assert got.entropy_coef == pytest.approx(0.025)
+    assert micro_config(GRPOLossConfig(loss_type="dapo"), 4) == GRPOLossConfig(loss_type="dapo")
+    with pytest.raises(ValueError, match="micro_batches must be >= 1"):
+        micro_config(GRPOLossConfig(), 0)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        micro_config(GRPOLossConfig(loss_agg_mode="token-mean"), 2)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "cispo"])
+def test_entropy_bonus_accumulates_as_trl(loss_type):
+    """TRL 1.16 under accumulation: each micro-batch's token mean of the entropy over the
+    accumulation steps, for every loss type. Two micro-batches of unequal token counts: the
+    bonus differs from the whole batch's token mean, and the policy part is unchanged."""
+    batch = _batch(old=True, ref=True)
+    counts = batch.mask.sum(-1)
+    assert counts[:2].sum() != counts[2:].sum()
+    # a low temperature spreads the random model's entropies apart
+    config = GRPOLossConfig(loss_type=loss_type, beta=0.04, max_completion_length=C,
+                            temperature=0.02, epsilon_high=1.3 if loss_type == "cispo" else 0.2)
+    bonus = dataclasses.replace(config, entropy_coef=0.3)
+    plain, _ = _grads(("logits", "reference"), config, batch, micro=2)
+    means = []
+    got, _ = _grads(("logits", "reference"), bonus, batch, micro=2, entropies=means)
+    want = plain - 0.3 * (means[0] + means[1]) / 2
+    n = np.array([counts[:2].sum(), counts[2:].sum()], np.float64)
+    whole = plain - 0.3 * float(np.dot(means, n) / n.sum())
+    assert abs(want - whole) > 1e-3, (means, n)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+

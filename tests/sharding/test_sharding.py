@@ -324,7 +324,7 @@ def _family_inputs(index):
 
 
 # Token-separable configs whose normalisers need the whole batch: tunix's non-empty-row
-# aggregations with sampler weights, luspo's B T, cispo's token count, the entropy bonus's h.
+# aggregations with sampler weights, luspo's B, cispo's token count, the entropy bonus's h.
 ONE_PASS_CASES = [("option", 1), ("option", 3), ("family", 0), ("family", 6), ("family", 16)]
 
 
@@ -646,3 +646,53 @@ def test_tpu_kernels_lower_under_shard_map(op):
     exported = jax.export.export(step, platforms=["tpu"])(*args)
     assert exported.mlir_module().count("tpu_custom_call") == kernels
     assert exported.nr_devices == 8
+
+
+# --- TRL 1.16's corners: LUSPO's aggregation, the entropy bonus beside num_items_in_batch ----
+
+def _corner_runs():
+    from tests.ops.test_trl_corners import CORNERS
+    return [(op, impl, i) for i in range(len(CORNERS)) for op, impl in (
+        ("logits", "xla"), ("lm_head", "xla"),
+        *([("logits", "pallas")] if CORNERS[i].entropy_coef != 0 else []))]
+
+
+CORNER_RUNS = _corner_runs()
+
+
+@pytest.mark.parametrize("op,impl,index", CORNER_RUNS,
+                         ids=[f"{op}-{impl}-{i}" for op, impl, i in CORNER_RUNS])
+def test_trl_corners_equal_the_oracle_on_a_mesh(op, impl, index):
+    """tests/ops/test_trl_corners.py's corners through the sharded ops (batch and vocab axes):
+    the value equals the float64 oracle of TRL 1.16's formula, everything else the one-device
+    reference. Row 3 is empty, so the normalisers meet an empty sequence."""
+    from tests.ops.test_trl_corners import CORNERS, NUM_ITEMS, _oracle_of
+    cfg = CORNERS[index]
+    mesh, spec = make(MESHES[1])
+    if op == "logits":
+        inp = random_inputs(60 + index, B, T, V, jnp.float32, cfg, noise=0.3)
+        args, argnums = (inp.logits,), 0
+        logits = as64(inp.logits)
+        one_fn, sharded_fn = grpo_loss, sharded_grpo_loss
+    else:
+        inp = random_head_inputs(60 + index, HB, HT, HH, HV, jnp.float32, cfg, layout="hv")
+        args, argnums = (inp.hidden, inp.lm_head), (0, 1)
+        logits = as64(inp.hidden) @ as64(inp.lm_head)
+        one_fn, sharded_fn = grpo_loss_from_hidden, sharded_grpo_loss_from_hidden
+    mask = inp.mask.at[3].set(0.0)
+    kw = dict(old_logps=inp.old_logps, ref_logps=inp.ref_logps, num_items_in_batch=NUM_ITEMS,
+              config=cfg)
+
+    def one(*a):
+        return one_fn(*a, inp.ids, mask, inp.advantages, impl="reference", **kw)
+
+    def sharded(*a):
+        return sharded_fn(*a, inp.ids, mask, inp.advantages, mesh=mesh, sharding=spec,
+                          impl=impl, **kw)
+
+    want = jax.value_and_grad(one, argnums=argnums, has_aux=True)(*args)
+    got = jax.jit(jax.value_and_grad(sharded, argnums=argnums, has_aux=True))(*args)
+    _check(got, want)
+    np.testing.assert_allclose(float(got[0][0]), _oracle_of(
+        logits, inp.ids, mask, inp.advantages, cfg, inp.old_logps, inp.ref_logps),
+        rtol=2e-5, atol=1e-6)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from grpo_kernels.config import NUM_ITEMS_LOSS_TYPES, GRPOLossConfig
+from grpo_kernels.config import GRPOLossConfig
 
 Array = jax.Array
 _sg = jax.lax.stop_gradient
@@ -148,27 +148,24 @@ def vespo_weights(log_ratio: Array, mask: Array, advantages: Array, config: GRPO
     return _sg(jnp.where(jnp.isfinite(phi), phi, 0.0))
 
 
-def entropy_weights(mask: Array, config: GRPOLossConfig, num_items: Array | float | None,
-                    batch_sum: Callable[[Array], Array],
+def entropy_weights(mask: Array, batch_sum: Callable[[Array], Array],
                     selected: Array | None = None) -> Array:
-    r"""Weights :math:`u` of the entropy bonus :math:`\sum_{bt} u_{bt} H_{bt}` (TRL 1.16):
-    with the tokens of the policy term :math:`e = m \cdot \text{selected}`,
-    :math:`u = e / \max(\sum e, 1)` (a masked token mean), or :math:`e /
-    \text{num\_items\_in\_batch}` for the loss types TRL normalises that way (``dapo``,
-    ``cispo``, ``vespo``; default :math:`\max(N, 1)`), sums over the whole batch."""
+    r"""Weights :math:`u` of the entropy bonus :math:`\sum_{bt} u_{bt} H_{bt}` (TRL 1.16,
+    ``GRPOTrainer._compute_loss``): with the tokens of the policy term
+    :math:`e = m \cdot \text{selected}`, :math:`u = e / \max(\sum e, 1)`, a masked token mean
+    over the whole batch for every loss type. TRL never divides the bonus by a loss type's
+    policy normaliser (``num_items_in_batch`` included); under gradient accumulation it
+    divides each micro-batch's mean by the accumulation steps, which is the trainer's
+    business (:mod:`grpo_kernels.rl.policy`)."""
     mask = _f32(mask)
     eff = mask if selected is None else mask * selected
     count = None if selected is None else batch_sum(jnp.sum(eff))
-    return eff / entropy_norm(mask, config, num_items, batch_sum, count)
+    return eff / entropy_norm(mask, batch_sum, count)
 
 
-def entropy_norm(mask: Array, config: GRPOLossConfig, num_items: Array | float | None,
-                 batch_sum: Callable[[Array], Array], count: Array | None = None) -> Array:
-    r"""The denominator of :func:`entropy_weights`: ``num_items_in_batch`` (default
-    :math:`\max(\sum m, 1)`) for the loss types TRL normalises that way, else
-    :math:`\max(\text{count}, 1)` with ``count`` the number of tokens of the policy term
-    (default :math:`\sum m`; with the entropy quantile, the selected ones)."""
-    if config.loss_type in NUM_ITEMS_LOSS_TYPES:
-        return (jnp.maximum(batch_sum(jnp.sum(_f32(mask))), 1.0) if num_items is None
-                else _f32(num_items))
+def entropy_norm(mask: Array, batch_sum: Callable[[Array], Array],
+                 count: Array | None = None) -> Array:
+    r"""The denominator of :func:`entropy_weights`: :math:`\max(\text{count}, 1)` with
+    ``count`` the whole batch's tokens of the policy term (default :math:`\sum m`; with the
+    entropy quantile, the selected ones)."""
     return jnp.maximum(batch_sum(jnp.sum(_f32(mask))) if count is None else count, 1.0)

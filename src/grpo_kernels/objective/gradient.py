@@ -210,12 +210,10 @@ def selected_row_grad(logp: Array, entropy: Array, selected: Array, norm: Array,
 
 
 def entropy_bonus_grad(mask: Array, config: GRPOLossConfig,
-                       num_items_in_batch: Array | float | None = None,
                        batch_sum: BatchSum = _local) -> Array | None:
     r""":math:`h = \partial L / \partial H = -\text{entropy\_coef}\cdot u` of a
     token-separable config (:func:`~grpo_kernels.objective.factors.entropy_weights`, no
     entropy quantile), or ``None`` when ``entropy_coef == 0``."""
     if not config.has_entropy_bonus:
         return None
-    return -config.entropy_coef * lw.entropy_weights(mask, config, num_items_in_batch,
-                                                     batch_sum)
+    return -config.entropy_coef * lw.entropy_weights(mask, batch_sum)

@@ -82,8 +82,11 @@ def token_weights(
     - ``dapo``:    :math:`w_{bt} = m_{bt} / \text{num\_items\_in\_batch}`
       (default :math:`\max(N, 1)`)
     - ``sapo`` as ``grpo``; ``cispo`` and ``vespo`` as ``dapo``
-    - ``luspo``:   :math:`w_{bt} = n_b / (B\,T)` at *every* position, padding included: TRL's
-      ``(per_token_loss * mask.sum(1, keepdim=True)).mean()``, which Liger-Kernel matches
+    - ``luspo``:   :math:`w_{bt} = m_{bt} / B`: TRL 1.16's ``(per_token_loss * mask).sum(-1)
+      .mean()``, each sequence's sum over its tokens (for a loss constant along a sequence,
+      :math:`n_b \ell_b`: longer sequences weigh more). Liger-Kernel 0.8.5 aggregates
+      ``(per_token_loss * mask.sum(-1, keepdim=True)).mean()``, the same when the per-token
+      loss is one value per sequence and not otherwise (docs/loss.md)
 
     or, when ``config.loss_agg_mode`` is set, by tunix's aggregation (replacing the above):
 
@@ -109,8 +112,7 @@ def token_weights(
     if config.loss_type in ("grpo", "sapo"):
         return mask / (jnp.maximum(_row_counts(mask), 1.0) * batch_sum(_f32(mask.shape[0])))
     if config.loss_type == "luspo":
-        rows = batch_sum(_f32(mask.shape[0])) * float(mask.shape[-1])
-        return jnp.broadcast_to(_row_counts(mask) / rows, mask.shape)
+        return mask / batch_sum(_f32(mask.shape[0]))
     if config.loss_type == "dr_grpo":
         return mask / (batch_sum(_f32(mask.shape[0])) * float(config.max_completion_length))
     if config.loss_type == "bnpo" or num_items_in_batch is None:
@@ -379,7 +381,7 @@ def grpo_objective(
     weights = token_weights(mask, config, num_items_in_batch, batch_sum)
     loss, policy_loss, kl_loss = weighted_loss(weights, terms, config, batch_sum)
     if config.has_entropy_bonus:
-        u = lw.entropy_weights(mask, config, num_items_in_batch, batch_sum, selected)
+        u = lw.entropy_weights(mask, batch_sum, selected)
         loss = loss - config.entropy_coef * batch_sum(jnp.sum(u * _f32(entropy)))
     return loss, {"coef_1": terms["coef_1"], "kl": terms["kl"], "policy_loss": policy_loss,
                   "kl_loss": kl_loss}

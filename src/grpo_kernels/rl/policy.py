@@ -16,14 +16,25 @@ accumulator's numbers) or bfloat16 (what a bf16 model's head gives in tunix or T
 loss's statistics stay float32, and the logits head's ``[N, C, V]`` and its gradient take half
 the bytes).
 
-Gradient accumulation keeps TRL's loss exact for the whole batch of ``B`` rows and ``K`` real
-completion tokens: a micro-batch of ``M`` rows and ``k`` tokens contributes its loss times
-``M / B`` (``grpo``, ``sapo``, ``dr_grpo``, ``luspo``: per-row normalisers), ``k / K`` (``bnpo``: a
-token mean), or ``1`` with ``num_items_in_batch = K`` (``dapo``, ``cispo``, ``vespo``), so the
-summed gradients equal the full batch's. Two options look at a micro-batch only, as in TRL's
-gradient accumulation: the entropy bonus's token mean (exact for ``bnpo`` and the
-``num_items`` types; a mean of micro-batch means otherwise) and ``top_entropy_quantile``'s
-quantile (over the micro-batch's tokens).
+Gradient accumulation follows TRL 1.16 (``GRPOTrainer._compute_loss``), whose accumulation
+steps are our micro-batches: an update of ``B`` rows and ``K`` real completion tokens runs
+``G = B / M`` micro-batches of ``M`` rows (``train.micro_batch_size`` divides the batch) and
+sums their gradients. Per loss type (:func:`micro_config`, :func:`micro_scale`):
+
+- ``grpo``, ``sapo``, ``dr_grpo``, ``luspo`` (per-row normalisers): each micro-batch's loss
+  times ``M / B = 1 / G``, TRL's division by the accumulation steps; the sum is the whole
+  batch's loss;
+- ``dapo``, ``cispo``, ``vespo``: ``num_items_in_batch = K``, each micro-batch's loss
+  unscaled, as TRL's ``num_items_in_batch`` spans the generation batch;
+- ``bnpo``: the whole batch's token mean, which is ``dapo``'s normaliser with
+  ``num_items_in_batch = K``, so its micro-batches run as ``dapo`` (TRL instead takes each
+  micro-batch's own token mean over ``G``; the two agree when the micro-batches hold equal
+  token counts).
+
+The entropy bonus is TRL's under accumulation: each micro-batch's token mean of the entropy
+over ``G``, whatever the loss type (for the ``num_items`` types, and ``bnpo`` run as one of
+them, the micro-batch's ``entropy_coef`` is divided by ``G``). ``top_entropy_quantile``'s
+quantile is each micro-batch's own, as in TRL.
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.config import NUM_ITEMS_LOSS_TYPES, GRPOLossConfig
 from grpo_kernels.ops.lm_head_loss import grpo_loss_from_hidden
 from grpo_kernels.ops.lm_head_loss.lookup import tied_lookup
 from grpo_kernels.ops.logits_loss import grpo_loss
@@ -86,14 +97,29 @@ class Batch:
         return out
 
 
-def micro_scale(config: GRPOLossConfig, rows: int, tokens: int, total_rows: int,
-                total_tokens: int) -> float:
-    """Weight of a micro-batch's loss in the whole batch's loss (see the module docstring)."""
+def micro_config(config: GRPOLossConfig, micro_batches: int) -> GRPOLossConfig:
+    """The loss options each of ``micro_batches`` micro-batches runs with (see the module
+    docstring): ``bnpo`` as ``dapo`` over the batch's token count, and for the ``num_items``
+    types the entropy bonus's coefficient over the accumulation steps."""
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    if config.loss_agg_mode is not None:
+        raise ValueError("micro_config: loss_agg_mode (tunix's aggregation) has no "
+                         f"accumulation rule here, got {config.loss_agg_mode!r}")
+    if config.loss_type == "bnpo":
+        config = dataclasses.replace(config, loss_type="dapo")
+    if config.loss_type in NUM_ITEMS_LOSS_TYPES and config.has_entropy_bonus:
+        config = dataclasses.replace(config, entropy_coef=config.entropy_coef / micro_batches)
+    return config
+
+
+def micro_scale(config: GRPOLossConfig, rows: int, total_rows: int) -> float:
+    """Weight of a micro-batch's loss (under :func:`micro_config`'s options) in the update's:
+    ``rows / total_rows`` for the per-row normalisers, else 1 (``num_items_in_batch`` spans
+    the batch)."""
     if config.loss_type in ("grpo", "dr_grpo", "sapo", "luspo"):
         return rows / total_rows
-    if config.loss_type == "bnpo":
-        return tokens / max(total_tokens, 1)
-    return 1.0  # dapo, cispo, vespo: normalised by num_items_in_batch, the batch's token count
+    return 1.0
 
 
 def completion_hidden(model: Any, ids: Array, attention: Array, prompt_width: int,

@@ -35,7 +35,8 @@ from grpo_kernels.rl import processes
 from grpo_kernels.rl import rewards as rewards_lib
 from grpo_kernels.rl.checkpoint import Checkpoints
 from grpo_kernels.rl.config import TrainConfig
-from grpo_kernels.rl.policy import METRIC_NAMES, Batch, make_programs, micro_scale
+from grpo_kernels.rl.policy import (METRIC_NAMES, Batch, make_programs, micro_config,
+                                    micro_scale)
 from grpo_kernels.rl.run_dir import RunDir, device_peak_bytes, peak_rss_bytes
 
 Array = jax.Array
@@ -84,6 +85,9 @@ class Trainer:
                                                c.data.num_problems, c.seed)
         self.model, self.tokenizer = load_policy(c)
         self.loss_config = c.loss_config()
+        # what each micro-batch's loss runs with: TRL's accumulation (rl.policy)
+        self.micro_batches = c.rollout.batch_size // c.train.micro_batch_size
+        self.micro_loss_config = micro_config(self.loss_config, self.micro_batches)
         self.graphdef, self.state = nnx.split(self.model)
         self.mesh, self.sharding = self._mesh()
         if self.mesh is not None:  # weights replicated; rows split over the batch axes
@@ -133,7 +137,7 @@ class Trainer:
         if key not in self._programs:
             grad_fn, logp_fn = make_programs(
                 self.graphdef, head=self.config.loss.head, impl=self.loss_impl,
-                config=self.loss_config, prompt_width=prompt_width, mesh=self.mesh,
+                config=self.micro_loss_config, prompt_width=prompt_width, mesh=self.mesh,
                 sharding=self.sharding, options=self.loss_options,
                 logits_dtype=parse_dtype(self.config.loss.logits_dtype))
             fn = grad_fn if kind == "grad" else logp_fn
@@ -166,6 +170,9 @@ class Trainer:
         """``ppo_epochs`` optimizer updates on ``batch``; returns the update's metrics."""
         c = self.config
         size, rows = c.train.micro_batch_size, batch.rows
+        if rows != size * self.micro_batches:
+            raise ValueError(f"update: a batch of {rows} rows, expected rollout.batch_size = "
+                             f"{size * self.micro_batches}")
         total_tokens = int(batch.mask.sum())
         num_items = jnp.float32(max(total_tokens, 1))
         if c.train.ppo_epochs > 1:
@@ -178,8 +185,7 @@ class Trainer:
             for start in range(0, rows, size):
                 host = batch.micro(start, size)
                 tokens = int(host["mask"].sum())
-                scale = micro_scale(self.loss_config, len(host["mask"]), tokens, rows,
-                                    total_tokens)
+                scale = micro_scale(self.micro_loss_config, len(host["mask"]), rows)
                 mb = self._put(host)
                 args = (self.state, mb, jnp.float32(scale), num_items)
                 fn = self._compiled("grad", batch.prompt_width, args)

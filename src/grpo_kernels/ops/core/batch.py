@@ -106,5 +106,5 @@ class TokenBatch:
             "old_logp": flat(self.old_logps), "ref_logp": flat(self.ref_logps),
             "sampler_weights": flat(self.sampler_weights), "mask": flat(self.mask),
             "sampler_logps": flat(self.sampler_logps),
-            "h": flat(entropy_bonus_grad(self.mask, config, self.num_items, **extra)),
+            "h": flat(entropy_bonus_grad(self.mask, config, **extra)),
         }

@@ -74,7 +74,6 @@ class QuantilePass:
 
     columns: dict[str, Array | None]
     config: GRPOLossConfig
-    num_items: Any
     threshold: Array
     norm: Array
 
@@ -91,8 +90,8 @@ class QuantilePass:
         threshold, _ = masked_quantile(ent, mask[pick], 1.0 - config.top_entropy_quantile,
                                        _local)
         count = distinct_selection_count(mask, config.top_entropy_quantile)
-        norm = entropy_norm(mask, config, batch.num_items, _local, count)
-        return cls(columns, config, batch.num_items, threshold, norm)
+        norm = entropy_norm(mask, _local, count)
+        return cls(columns, config, threshold, norm)
 
     def grad_fn(self, start: Any, size: int, logp: Array, entropy: Array) -> RowGrad:
         """Step 2's factors of rows ``start .. start + size`` (a ``head_sweep`` grad_fn)."""
@@ -105,7 +104,7 @@ class QuantilePass:
         :func:`~grpo_kernels.objective.grpo_objective`)."""
         mask = self.columns["mask"]
         selected = entropy_mask(entropy, mask, self.config, _local)
-        norm = entropy_norm(mask, self.config, self.num_items, _local, jnp.sum(mask * selected))
+        norm = entropy_norm(mask, _local, jnp.sum(mask * selected))
         return selected_row_grad(logp, entropy, selected, norm, self.columns, self.config)
 
     def rows_to_fix(self, logp: Array, entropy: Array) -> tuple[RowGrad, RowGrad, Array]:
