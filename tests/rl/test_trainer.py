@@ -11,7 +11,7 @@ import pytest
 from grpo_kernels.cli.main import main
 from grpo_kernels.rl.config import TrainConfig
 from grpo_kernels.rl.run_dir import read_metrics
-from grpo_kernels.rl.trainer import Trainer
+from grpo_kernels.rl.trainer import NonFiniteError, Trainer
 
 
 def _tokenizer_path():
@@ -192,3 +192,73 @@ def test_eval_command_on_generated_problems(tmp_path, capsys):
                  "--max-new-tokens", "4", "--no-progress"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["n"] == 3 and 0 <= result["accuracy"] <= 1
+
+
+def _poison(trainer, plan):
+    """Wraps the trainer's compiled update programs: call ``n`` (1-based, over the run) of a
+    micro-batch's gradient program returns a NaN loss (``plan[n] == "loss"``) or a gradient
+    with one infinite element (``"gradient"``)."""
+    compiled, calls = trainer._compiled, [0]
+
+    def wrapped(kind, prompt_width, args):
+        fn = compiled(kind, prompt_width, args)
+        if kind != "grad":
+            return fn
+
+        def call(*a):
+            calls[0] += 1
+            (part, metrics), g = fn(*a)
+            what = plan.get(calls[0])
+            if what == "loss":
+                part = part * np.nan
+            elif what == "gradient":
+                leaves, tree = jax.tree.flatten(g)
+                leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].set(np.inf)
+                g = jax.tree.unflatten(tree, leaves)
+            return (part, metrics), g
+        return call
+
+    trainer._compiled = wrapped
+
+
+def _snapshot(trainer):
+    return [np.asarray(x) for x in jax.tree.leaves((trainer.state, trainer.opt_state))]
+
+
+def test_non_finite_steps_are_skipped_and_k_in_a_row_stop_the_run(tmp_path, capsys):
+    """Two micro-batches per step. Step 2's second micro-batch has a NaN loss, step 4's first
+    an infinite gradient element: both steps are skipped and logged, the parameters and
+    optimizer state stay bit for bit, and the run goes on. Then two skipped steps in a row
+    (train.max_skipped_steps = 2) stop a run with the error, and a clean resume from its last
+    checkpoint finishes it."""
+    config = TrainConfig.from_dict(_values(tmp_path / "a", train={"checkpoint_every": 1,
+                                                                  "max_skipped_steps": 2}))
+    trainer = Trainer(config, progress=False)
+    _poison(trainer, {4: "loss", 7: "gradient"})
+    assert [r["update/skipped"] for r in trainer.run(stop_after=1)] == [0]
+    before = _snapshot(trainer)
+    (skipped,) = trainer.run(stop_after=2)
+    assert skipped["update/skipped"] == 1
+    assert skipped["update/skip_reason"] == "non-finite loss in micro-batch 2 of 2, epoch 1"
+    assert np.isnan(skipped["loss"]) and np.isnan(skipped["grad_norm"])
+    for a, b in zip(_snapshot(trainer), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    rest = trainer.run()
+    assert [r["update/skipped"] for r in rest] == [0, 1]
+    assert rest[1]["update/skip_reason"] == "non-finite gradient in micro-batch 1 of 2, epoch 1"
+    assert "step 4: update skipped (non-finite gradient" in capsys.readouterr().err
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(trainer.opt_state))
+    logged = read_metrics(str(tmp_path / "a"))
+    assert [r["update/skipped"] for r in logged] == [0, 1, 0, 1]
+
+    config = TrainConfig.from_dict(_values(tmp_path / "b", train={"checkpoint_every": 1,
+                                                                  "max_skipped_steps": 2}))
+    trainer = Trainer(config, progress=False)
+    _poison(trainer, {3: "gradient", 4: "loss"})  # steps 2 and 3 (a skip ends its step)
+    with pytest.raises(NonFiniteError, match=r"step 3: 2 steps in a row had a non-finite.*"
+                       r"The last checkpoint, step 2, is in"):
+        trainer.run()
+    resumed = Trainer(config, progress=False)
+    assert [r["step"] for r in resumed.run()] == [3, 4]
+    # the resumed run re-ran step 3 from the checkpoint of step 2, and its record replaced
+    assert [r["update/skipped"] for r in read_metrics(str(tmp_path / "b"))] == [0, 1, 0, 0]

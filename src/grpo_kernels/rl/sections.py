@@ -256,13 +256,16 @@ class TrainSection(Section):
     Attributes:
       steps: Training steps (each: one rollout, ``ppo_epochs`` optimizer updates).
       micro_batch_size: Rows per forward/backward; gradients accumulate over
-        ``batch_size / micro_batch_size`` micro-batches with the loss normalisers of the whole
-        batch.
+        ``batch_size / micro_batch_size`` micro-batches as TRL 1.16 accumulates over its
+        steps (docs/loss.md, "In the trainer").
       ppo_epochs: Optimizer updates per rollout; the ratio's old log-probs come from the
         policy before the first update.
       run_dir: Where metrics, checkpoints, W&B files and reports go.
       checkpoint_every: Save an Orbax checkpoint every this many steps (and at the end).
       keep_checkpoints: How many checkpoints to keep.
+      max_skipped_steps: A step whose loss or gradient is not finite applies no update (the
+        parameters and optimizer state stay as they were) and is logged as skipped; this many
+        skipped steps in a row stop the run with an error.
     """
 
     KEY = "train"
@@ -273,10 +276,11 @@ class TrainSection(Section):
     run_dir: str = "runs/default"
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
+    max_skipped_steps: int = 3
 
     def validate(self, key: str) -> None:
         for name in ("steps", "micro_batch_size", "ppo_epochs", "checkpoint_every",
-                     "keep_checkpoints"):
+                     "keep_checkpoints", "max_skipped_steps"):
             positive(f"{key}.{name}", getattr(self, name))
         if not self.run_dir:
             fail(f"{key}.run_dir", "must name a directory")

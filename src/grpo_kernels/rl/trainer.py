@@ -9,11 +9,21 @@ same for every implementation, so an A/B of two runs with one seed differs only 
 Resuming: the problems of step ``s`` and its sampling seed depend only on ``(seed, s)``, and a
 checkpoint holds the parameters and optimizer state, so a run restarted with the same command
 continues from its last checkpoint exactly as if it had never stopped.
+
+Non-finite steps: each micro-batch's loss and gradient are checked on the host before they
+count; the first that is not finite ends the step's update without applying it, so the
+parameters and optimizer state stay bit for bit what they were, and the step's record says
+``update/skipped`` with the reason. ``train.max_skipped_steps`` such steps in a row raise
+:class:`NonFiniteError`, leaving the checkpoints as they were. (optax's ``apply_if_finite``
+decides inside the optimizer instead: it keeps counters in the optimizer state, whose
+checkpoints would then change shape, and cannot say which micro-batch failed.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 import time
 from typing import Any, Callable
 
@@ -62,6 +72,15 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
                                    weight_decay=o.weight_decay))
 
 
+class NonFiniteError(RuntimeError):
+    """``train.max_skipped_steps`` consecutive steps had a non-finite loss or gradient."""
+
+
+def _all_finite(tree: Any) -> Array:
+    """Whether every element of every leaf of ``tree`` is finite (one boolean scalar)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
 def step_seed(seed: int, step: int, process: int = 0) -> int:
     """The sampling seed of step ``step``: a function of ``(seed, step)`` only; process
     ``p > 0`` of a multi-process run samples its share with its own stream."""
@@ -104,6 +123,7 @@ class Trainer:
         self._apply = jax.jit(self._apply_updates, out_shardings=None if self.mesh is None
                               else NamedSharding(self.mesh, PartitionSpec()))
         self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+        self._finite = jax.jit(_all_finite)
         self.update_temp_bytes = 0
 
     def _mesh(self) -> tuple[Any, Any]:
@@ -179,10 +199,10 @@ class Trainer:
             batch = dataclasses.replace(batch, old_logps=self.token_logps(self.state, batch))
         if self.ref_state is not None:
             batch = dataclasses.replace(batch, ref_logps=self.token_logps(self.ref_state, batch))
-        first: dict[str, float] = {}
+        first: dict[str, Any] = {"update/skipped": 0}
         for epoch in range(c.train.ppo_epochs):
             grads, loss, sums = None, 0.0, dict.fromkeys(METRIC_NAMES, 0.0)
-            for start in range(0, rows, size):
+            for index, start in enumerate(range(0, rows, size)):
                 host = batch.micro(start, size)
                 tokens = int(host["mask"].sum())
                 scale = micro_scale(self.micro_loss_config, len(host["mask"]), rows)
@@ -190,14 +210,27 @@ class Trainer:
                 args = (self.state, mb, jnp.float32(scale), num_items)
                 fn = self._compiled("grad", batch.prompt_width, args)
                 (part, metrics), g = fn(*args)
+                part = float(part)
+                bad = ("loss" if not math.isfinite(part)
+                       else None if bool(self._finite(g)) else "gradient")
+                if bad is not None:  # nothing of this epoch reaches the parameters
+                    reason = (f"non-finite {bad} in micro-batch {index + 1} of "
+                              f"{self.micro_batches}, epoch {epoch + 1}")
+                    nan = float("nan")
+                    if epoch == 0:
+                        first.update({"loss": nan, "grad_norm": nan,
+                                      **dict.fromkeys(METRIC_NAMES, nan)})
+                    first.update({"update/skipped": 1, "update/skip_reason": reason})
+                    return first
                 grads = g if grads is None else self._add(grads, g)
-                loss += float(part)
+                loss += part
                 for name in METRIC_NAMES:  # token-weighted means over the batch
                     sums[name] += float(metrics[name]) * tokens
             self.state, self.opt_state, norm = self._apply(self.state, self.opt_state, grads)
             if epoch == 0:
-                first = {"loss": loss, "grad_norm": float(norm),
-                         **{name: sums[name] / max(total_tokens, 1) for name in METRIC_NAMES}}
+                first.update({"loss": loss, "grad_norm": float(norm),
+                              **{name: sums[name] / max(total_tokens, 1)
+                                 for name in METRIC_NAMES}})
         return first
 
     # --- one step -----------------------------------------------------------------------
@@ -307,6 +340,7 @@ class Trainer:
         ckpt = self.checkpoints()
         records: list[dict[str, Any]] = []
         bar = None
+        skipped_in_row = 0
         try:
             start = self.restore(ckpt)
             run.open(start)
@@ -321,6 +355,22 @@ class Trainer:
                 record.update(self._bookkeeping(record, step_times))
                 run.write(record, sample)
                 records.append(record)
+                if record["update/skipped"]:
+                    skipped_in_row += 1
+                    if primary:
+                        tqdm.write(f"step {step + 1}: update skipped ("
+                                   f"{record['update/skip_reason']})", file=sys.stderr)
+                    if skipped_in_row >= c.train.max_skipped_steps:
+                        saved = ckpt.steps()
+                        raise NonFiniteError(
+                            f"step {step + 1}: {skipped_in_row} steps in a row had a non-finite "
+                            f"loss or gradient (train.max_skipped_steps = "
+                            f"{c.train.max_skipped_steps}; last: "
+                            f"{record['update/skip_reason']}); no update of theirs was applied. "
+                            + (f"The last checkpoint, step {max(saved)}, is in "
+                               f"{c.train.run_dir}." if saved else "No checkpoint was saved."))
+                else:
+                    skipped_in_row = 0
                 bar.update(1)
                 bar.set_postfix(reward=f"{record['reward/mean']:.3f}",
                                 loss=f"{record['loss']:.4f}",
