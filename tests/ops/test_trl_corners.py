@@ -28,7 +28,7 @@ from tests.oracle import oracle
 from tests.ops.logits_loss.test_impls import TOL
 from tests.ops.logits_loss.test_pallas import small_blocks
 
-NUM_ITEMS = 70.0  # the example; the mask holds fewer tokens, so it matters
+NUM_ITEMS = 70.0  # more than the masks hold, so it differs from the token count
 CORNERS = [
     GRPOLossConfig(loss_type="luspo", delta=1.5),
     GRPOLossConfig(loss_type="luspo", importance_sampling_level="sequence", beta=0.04,
