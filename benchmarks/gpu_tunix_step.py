@@ -146,10 +146,7 @@ def run(args: argparse.Namespace) -> dict:
     r = gpu_train_step.measure(jax.jit(jax.value_and_grad(loss)), (params, example),
                                args.iters, args.warmup)
     value, grads = r.pop("first")
-    return {"op": "tunix-step", "arm": args.arm, "backend": jax.default_backend(),
-            "device_kind": jax.devices()[0].device_kind, "model": args.model,
-            "layers": args.layers, "rows": args.rows, "prompt": args.prompt,
-            "completion": args.completion, "vocab": vocab, "logits_f32_bytes": n * vocab * 4,
+    return {"op": "tunix-step", **common_row,
             "loss": float(value), "grad_norm": float(gpu_train_step.global_norm(grads)), **r}
 
 

@@ -1,7 +1,7 @@
 """``grpo-kernels proof``: its plans, its report on a recorded GPU run, its schema, and the dry
 run that CI executes on the CPU.
 
-A GPU session gets 30 minutes of device time, so the proof must work the first time it runs
+A lent GPU comes with little device time, so the proof must work the first time it runs
 there: the dry run executes every phase here, with pallas interpreted and the phases that need
 a GPU (device memory_stats, the Liger peers) skipped with their reason.
 """

@@ -10,9 +10,9 @@
 
 Each corner at token and sequence level, the dtype alternating; the logits loss (reference,
 xla, the Pallas TPU and GPU kernels interpreted, alternating) and the fused head (reference,
-xla with dW by tokens and by vocabulary blocks, alternating, the Pallas kernels interpreted). Values against the oracle, gradients
-against the reference; the 8-device meshes run the same corners in
-tests/sharding/test_sharding.py.
+xla with dW by tokens and by vocabulary blocks, alternating, the Pallas kernels interpreted).
+Values against the oracle, gradients against the reference; the 8-device meshes run the same
+corners in tests/sharding/test_sharding.py.
 """
 
 import jax

@@ -69,9 +69,9 @@ def sharded_token_logps(logits: Array, ids: Array, *, mesh: Mesh, sharding: Shar
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
     softcap = check_softcap(logit_softcap, impl)
     ids = check_token_ids(ids, b, t, vocab, check_ids)
-    return _run(logits_kind(softcap), (logits,), (spec.logits(),), ids, mesh=mesh, spec=spec, impl=impl,
-                options=options, vocab=vocab, temperature=tau, return_entropy=return_entropy,
-                default_options=logits_pallas.PallasOptions())
+    return _run(logits_kind(softcap), (logits,), (spec.logits(),), ids, mesh=mesh, spec=spec,
+                impl=impl, options=options, vocab=vocab, temperature=tau,
+                return_entropy=return_entropy, default_options=logits_pallas.PallasOptions())
 
 
 def sharded_token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *, mesh: Mesh,

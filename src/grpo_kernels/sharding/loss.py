@@ -85,8 +85,10 @@ def _on_mesh(options: Any, default: Any) -> Any:
         else options
 
 
-def logits_kind(softcap: float | None = None) -> OpKind:
-    """The logits op (its logits soft-capped with ``softcap``; the Pallas kernels take none)."""
+@functools.lru_cache(maxsize=None)
+def logits_kind(softcap: float | None) -> OpKind:
+    """The logits op (its logits soft-capped with ``softcap``; the Pallas kernels take none),
+    one object per cap: ``logits_kind(None)`` is :data:`LOGITS`."""
     def pieces(primals, impl, options, tau, spec, vocab) -> Pieces:
         del spec, vocab
         (z,) = primals
@@ -100,7 +102,7 @@ def logits_kind(softcap: float | None = None) -> OpKind:
                   pieces=pieces)
 
 
-LOGITS = logits_kind()
+LOGITS = logits_kind(None)
 
 
 def head_kind(fmt: HeadFormat, seq: tuple[str, int] | None = None) -> OpKind:
@@ -270,8 +272,7 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
         check_ids_in_range(ids, mask, vocab)
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
                           sampler_weights, sampler_logps)
-    op = LOGITS if softcap is None else logits_kind(softcap)  # LOGITS: the one-pass kernel's
-    return _run(op, (logits,), (spec.logits(),), batch, mesh=mesh, spec=spec,
+    return _run(logits_kind(softcap), (logits,), (spec.logits(),), batch, mesh=mesh, spec=spec,
                 config=config, impl=impl, options=options, vocab=vocab,
                 default_options=logits_pallas.PallasOptions())
 

@@ -96,6 +96,10 @@ def validate_token_inputs(
                          f"(sampler_correction={config.sampler_correction!r})")
 
 
+PALLAS_SOFTCAP_ERROR = ("logit_softcap is not supported by impl='pallas' (its kernels take "
+                        "uncapped logits); use impl='xla' or 'reference'")
+
+
 def check_softcap(value: Any, impl: str | None = None) -> float | None:
     """``logit_softcap`` as a float (or None); ValueError unless None or a finite number > 0,
     and for ``impl="pallas"``, whose kernels do not take it."""
@@ -105,8 +109,7 @@ def check_softcap(value: Any, impl: str | None = None) -> float | None:
             or not np.isfinite(value) or value <= 0:
         raise ValueError(f"logit_softcap must be None or a finite number > 0, got {value!r}")
     if impl == "pallas":
-        raise ValueError("logit_softcap is not supported by impl='pallas' (its kernels take "
-                         "uncapped logits); use impl='xla' or 'reference'")
+        raise ValueError(PALLAS_SOFTCAP_ERROR)
     return float(value)
 
 

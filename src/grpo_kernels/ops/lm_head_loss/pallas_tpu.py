@@ -44,6 +44,7 @@ from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import common_dtype
 from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, softmax_grad
 from grpo_kernels.ops.core.tpu import row_major_by_default
+from grpo_kernels.ops.core.validate import PALLAS_SOFTCAP_ERROR
 from grpo_kernels.ops.core.vjp import loss_from_pieces
 from grpo_kernels.ops.lm_head_loss.head import HeadFormat, delta_dtype
 from grpo_kernels.ops.lm_head_loss.head import matmul as _dot
@@ -295,8 +296,7 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadPallasOption
     ``interpret`` overrides the options' (the sharding layer passes ``"hlo"`` on CPU).
     """
     if fmt.softcap is not None:  # the API refuses it for pallas; a direct call is named here
-        raise ValueError("logit_softcap is not supported by impl='pallas' (its kernels take "
-                         "uncapped logits); use impl='xla' or 'reference'")
+        raise ValueError(PALLAS_SOFTCAP_ERROR)
     opts = options or LmHeadPallasOptions()
     b, t, hdim = hidden.shape
     n = b * t

@@ -66,8 +66,8 @@ def plan_blocks(vocab: int, block_vocab: int | None = None, layout: str = "rows"
 
     The tile the H100 probe of tiles from 1024 to 8192 columns chose (benchmarks/gpu_probes.py
     step; the figures are in docs/benchmarks.md, "GPU"). ``layout="auto"`` is ``"aligned"``
-    (faster at every shape timed on an H100: docs/benchmarks.md, "Third GPU session") where
-    ``N * V < 2^31`` (``n`` rows; its int32 offsets), else ``"rows"``.
+    (faster at every shape timed on an H100: docs/benchmarks.md, "GPU: the aligned layout
+    becomes the default") where ``N * V < 2^31`` (``n`` rows; its int32 offsets), else ``"rows"``.
     """
     if block_vocab is None:
         block_vocab = min(8192, pl.next_power_of_2(vocab))
