@@ -134,8 +134,8 @@ GPU_KERNELS = ("grpo_gpu_one_pass", "grpo_tile_statistics", "grpo_tile_gradient"
 
 
 def test_the_one_pass_gpu_kernel_runs_only_when_asked():
-    """Not faster than the aligned two kernels on an H100 (docs/benchmarks.md, stop 43), so
-    one_pass=None keeps the two kernels there; a call without a gradient needs the statistics
+    """Not faster than the aligned two kernels on an H100 (docs/benchmarks.md, "GPU: the
+    aligned layout becomes the default"), so one_pass=None keeps the two kernels there; a call without a gradient needs the statistics
     alone. (The rows layout's kernel names, which say which layout ran.)"""
     gpu = PallasOptions(kernel="gpu", gpu_layout="rows")
     two = {"grpo_tile_statistics", "grpo_tile_gradient"}
