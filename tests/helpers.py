@@ -25,7 +25,7 @@ def _grid_config(time: int, lt, lvl, beta, delta, temp) -> GRPOLossConfig:
 
 
 def loss_grid(time: int):
-    """The issue's grid: loss_type x level x beta x delta x temperature."""
+    """The grid: loss_type x level x beta x delta x temperature."""
     for values in itertools.product(*GRID_LEVELS):
         yield _grid_config(time, *values)
 

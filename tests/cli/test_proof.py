@@ -30,7 +30,7 @@ def _names(plan):
 
 
 def test_plans_pick_their_groups():
-    """The issue's proof leaves the layouts group to its own plan (with it the proof would
+    """The proof leaves the layouts group to its own plan (with it the proof would
     not fit in 8 minutes); the dry run runs every group."""
     def names(plan):
         return [n for n, _, _ in proof.phases(set(plan.groups), plan)]
@@ -59,14 +59,14 @@ def test_every_plan_runs_the_same_phases():
 
 def _recorded(name: str) -> list[dict]:
     records = json.loads((RESULTS / name).read_text())
-    for r in records:  # the first sessions' runner kept no argv
+    for r in records:  # the runner of the oldest recorded runs kept no argv
         r.setdefault("argv", [])
     return records
 
 
 def test_report_of_the_recorded_h100_runs():
     """The report's figures and targets on two real H100 runs (docs/benchmarks.md, "GPU"):
-    the first session's build, where pallas beat xla, and issue 19's regressed one."""
+    a build where pallas beat xla, and a build whose xla gradient had regressed."""
     good = proof_report.build("real", _recorded("gpu_proof2_h100_2026-11-23.json"), 450.0)
     bad = proof_report.build("real", _recorded("gpu_proof3_h100_2026-11-23.json"), 393.0)
     for report in (good, bad):
@@ -106,7 +106,7 @@ def test_the_h100_proof_json_validates():
 
 
 def test_report_of_the_back_to_back_h100_run():
-    """Stop 43's run with the aligned layout the default: the step and the copy each timed
+    """The recorded run with the aligned layout the default: the step and the copy each timed
     alone and back to back; the back-to-back fraction divides by the back-to-back copy."""
     report = json.loads((RESULTS / "gpu_proof7_back_to_back_h100_2026-11-24.json").read_text())
     proof_report.validate(report)

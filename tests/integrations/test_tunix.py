@@ -1,6 +1,6 @@
 """grpo_kernels.integrations.tunix against tunix's own "grpo" loss on tiny random tunix models.
 
-The parity grid is the issue's: every loss_agg_mode x kl_loss_mode x loss_algo x (epsilon_c on /
+The parity grid: every loss_agg_mode x kl_loss_mode x loss_algo x (epsilon_c on /
 off) x (sampler weights on / off), loss and gradients w.r.t. every model parameter, float32
 relative error <= 1e-5, for both registered losses.
 """

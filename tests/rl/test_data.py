@@ -7,8 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from grpo_kernels.rl.data import (arithmetic_problems, load_gsm8k, prompt_ids,
-                                  step_indices)
+from grpo_kernels.rl.data import (arithmetic_problems, held_out_problems, load_gsm8k,
+                                  prompt_ids, save_problems, step_indices)
 
 GSM8K = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "gsm8k")
 
@@ -83,3 +83,25 @@ class _Tok:
 def test_prompt_without_chat_template():
     ids = prompt_ids(_Tok(), "Be brief.", "What is 2+2?")
     assert "".join(map(chr, ids)).startswith("Be brief.\n\nQuestion: What is 2+2?")
+
+
+def test_held_out_problems_are_disjoint_from_the_pool_and_saved_as_gsm8k(tmp_path):
+    # level 1 with a pool of 5,000: small numbers make repeats likely, so the filter matters
+    pool = arithmetic_problems(5000, 1, seed=3)
+    held = held_out_problems(300, 1, 3, pool)
+    assert len(held) == 300 and len({p.question for p in held}) == 300
+    assert not {p.question for p in held} & {p.question for p in pool}
+    assert held == held_out_problems(300, 1, 3, pool)  # deterministic
+    assert held[:5] != arithmetic_problems(5, 1, seed=3)  # another stream than the pool's
+    unfiltered = held_out_problems(300, 1, 3, [])
+    assert {p.question for p in unfiltered} & {p.question for p in pool}  # the filter did work
+    save_problems(str(tmp_path / "h.jsonl"), held)
+    assert load_gsm8k(str(tmp_path / "h.jsonl")) == held
+
+
+def test_held_out_problems_refuse_when_the_generator_runs_dry(monkeypatch):
+    from grpo_kernels.rl import data
+
+    monkeypatch.setitem(data._LEVELS, 1, lambda rng: data.Problem("same?", "1"))
+    with pytest.raises(ValueError, match="eval.num_problems=2: only 1 arithmetic problems"):
+        held_out_problems(2, 1, 3, [])

@@ -78,3 +78,45 @@ def test_step1_gates_fail_on_a_large_difference():
     other = _records([0.1, 0.2, 0.3], loss0=0.6, grad0=1.5)
     f = report.summarize({"a": base, "b": other})["runs"]["b"]
     assert not f["step1_loss_ok"] and not f["step1_grad_norm_ok"]
+
+
+def test_held_out_gain_uses_the_paired_standard_error():
+    from grpo_kernels.rl.evaluate import binomial_se, compare
+
+    rng = np.random.default_rng(4)
+    before = (rng.random(250) < 0.2).astype(int)
+    after = np.where(rng.random(250) < 0.15, 1 - before, before)  # some scores flip
+    after[:30] = 1
+    c = compare(before, after)
+    d = after - before
+    # the paired SE from its definition: sqrt(sum (d - mean)^2 / (n - 1) / n)
+    se = math.sqrt(((d - d.mean()) ** 2).sum() / (d.size - 1) / d.size)
+    assert c["diff"] == pytest.approx(d.mean()) and c["se"] == pytest.approx(se)
+    assert c["changed"] == int((d != 0).sum())
+    assert c["unpaired_se"] == pytest.approx(math.sqrt(
+        before.mean() * (1 - before.mean()) / 250 + after.mean() * (1 - after.mean()) / 250))
+    assert c["exceeds_2se"] is bool(abs(d.mean()) > 2 * se) is True
+    assert binomial_se(0.2, 100) == pytest.approx(0.04)
+    assert compare([0, 1, 0], [0, 1, 0])["exceeds_2se"] is False  # no change, no gain
+    with pytest.raises(ValueError, match="equal-length"):
+        compare([0, 1], [0, 1, 1])
+
+
+def test_report_with_held_out_accuracy_and_correctness():
+    records = _records(np.linspace(0.1, 0.5, 12))
+    for i, r in enumerate(records):
+        r["reward/correctness"] = 0.1 + 0.02 * i
+    before = {"step": 0, "correct": [0] * 15 + [1] * 5}
+    evals = {"reference": (before, {"step": 12, "correct": [0] * 5 + [1] * 15}),
+             "fused": (before, {"step": 12, "correct": [0] * 6 + [1] * 14})}
+    s = report.summarize({"reference": records, "fused": records}, evals)
+    ev = s["eval"]
+    assert ev["n"] == 20 and ev["runs"]["reference"]["diff"] == pytest.approx(0.5)
+    assert ev["runs"]["reference"]["exceeds_2se"] is True
+    assert ev["runs"]["fused"]["vs_baseline"]["diff"] == pytest.approx(-0.05)
+    assert ev["runs"]["fused"]["vs_baseline"]["exceeds_2se"] is False
+    text = report.markdown(s, "t", None)
+    assert "| gain > 2 SE | yes | yes |" in text and "within 2 SE" in text
+    assert "| correctness, first 5 -> last 5 steps | 0.140 -> 0.280 |" in text
+    with pytest.raises(ValueError, match="different sizes"):
+        report.summarize_evals({"a": evals["fused"], "b": (before, {"step": 1, "correct": [1]})})

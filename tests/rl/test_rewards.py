@@ -12,14 +12,17 @@ P = Problem("q", "1000")
 
 @pytest.mark.parametrize("text, answer", [
     ("so 3 + 4 = 7\n#### 7", "7"), ("#### 1,000\nthanks", "1,000"), ("it is 12 then 15.", "15"),
-    ("no numbers", None), ("####", None)])
+    ("no numbers", None), ("####", None), ("#### 6 apples", "6"),
+    # a hedged answer line commits to nothing; only the last #### counts
+    ("#### 5 or 6", None), ("#### 2*3", None), ("#### 6, 60", None), ("#### 6\n#### 5", "5")])
 def test_final_answer(text, answer):
     assert final_answer(text) == answer
 
 
 @pytest.mark.parametrize("text, reward", [
     ("#### 1000", 1.0), ("#### 1,000", 1.0), ("The total is 1000.0", 1.0), ("#### $1000", 1.0),
-    ("#### 999", 0.0), ("1000 apples, minus 1 is 999", 0.0), ("nothing", 0.0)])
+    ("#### 999", 0.0), ("1000 apples, minus 1 is 999", 0.0), ("nothing", 0.0),
+    ("#### 999 or 1000", 0.0), ("#### 1000\n#### 1000", 1.0), ("#### 1000\n#### 999", 0.0)])
 def test_correctness_uses_math_verify(text, reward):
     assert correctness_reward(text, P) == reward
 

@@ -130,9 +130,25 @@ def test_ab_command_writes_report_and_plot(tmp_path, capsys):
 
     config.write_text(yaml.safe_dump(values))
     assert main(["ab", "--config", str(config), "--arms", "logits-reference,fused-xla",
-                 "--no-progress"]) == 0
+                 "--eval", "3", "--no-progress", "--json"]) == 0
     out = capsys.readouterr().out
     assert "step 1 rollouts identical: True" in out
+    # held-out accuracy: each arm scored the same 3 problems before step 1 and after step 1
+    assert "## Held-out accuracy (greedy)" in out and "| gain > 2 SE |" in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["eval"]["n"] == 3 and set(summary["eval"]["runs"]) == {
+        "logits-reference", "fused-xla"}
+    from grpo_kernels.rl.data import arithmetic_problems, load_gsm8k
+
+    arm = tmp_path / "ab" / "fused-xla"
+    held = load_gsm8k(str(arm / "eval_problems.jsonl"))
+    pool = arithmetic_problems(50, 1, 5)
+    assert len(held) == 3 and not {p.question for p in held} & {p.question for p in pool}
+    before = json.loads((arm / "eval_before.json").read_text())
+    after = json.loads((arm / "eval_after.json").read_text())
+    assert (before["step"], after["step"], len(after["correct"])) == (0, 1, 3)
+    assert before["correct"] == json.loads(
+        (tmp_path / "ab" / "logits-reference" / "eval_before.json").read_text())["correct"]
     assert "step 1 |loss difference|" in out and ": ok" in out and "FAIL" not in out
     assert os.path.getsize(tmp_path / "ab" / "ab_curves.png") > 10_000
     assert (tmp_path / "ab" / "ab_report.md").read_text().startswith("# GRPO A/B")

@@ -12,7 +12,7 @@ from grpo_kernels.sharding import ShardingSpec, mesh_from_shape
 
 NEEDED = 8
 
-# The meshes: (shape, axis names); "tp" splits V, every other axis splits B.
+# The meshes: (shape, axis names); "tp" splits V, every other axis splits B.
 MESHES = [((8, 1), ("dp", "tp")), ((2, 4), ("dp", "tp")), ((1, 8), ("dp", "tp")),
           ((2, 2, 2), ("dp", "fsdp", "tp"))]
 

@@ -484,7 +484,7 @@ def test_lm_head_time_not_divisible_keeps_hidden_whole():
 
 
 def test_long_sequence_per_device_temporaries():
-    """Issue 21 at its shape (compile-only; H=4096, V=151,936 bf16, vocab split 8 ways):
+    """Long sequences (compile-only; H=4096, V=151,936 bf16, vocab split 8 ways):
     per-device temporaries at T=131,072 within 1% of those at T=8,192, and at most 1.2/8 of
     one device's at T=131,072 (docs/lm_head.md, "Long sequences")."""
     from tests.ops.lm_head_loss.test_long_sequence import planned_temp

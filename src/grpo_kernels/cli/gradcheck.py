@@ -145,7 +145,7 @@ def family_configs(base: GRPOLossConfig, time: int):
 
 
 def grid_configs(base: GRPOLossConfig, time: int):
-    """The issue's grid: TRL's classic loss_type x level x beta x delta x temperature, then
+    """The grid: TRL's classic loss_type x level x beta x delta x temperature, then
     the family's variants (f32 and bf16 by caller)."""
     for loss_type, level, beta, delta, temp in itertools.product(
         CLASSIC_LOSS_TYPES, ("token", "sequence"), (0.0, 0.04), (None, 2.0), (1.0, 0.7)

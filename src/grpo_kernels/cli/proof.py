@@ -108,7 +108,7 @@ REAL = Plan("real")
 # A rerun that skips what an earlier run of the same code measured (xla gradcheck, reference memory).
 SHORT = dataclasses.replace(REAL, name="short", gradcheck_impls=("pallas",),
                             memory_impls=("pallas", "xla"))
-# The GPU kernel designs against each other, and the sweeps (122 s on an H100, stop 43).
+# The GPU kernel designs against each other, and the sweeps (docs/benchmarks.md has its time).
 LAYOUTS = dataclasses.replace(REAL, name="layouts", groups=("env", "layouts"))
 # Every phase at tiny shapes, on whatever backend is there (CI runs it on the CPU).
 DRY = Plan("dry", logits_shapes=((1, 8), (2, 5)), vocab=300,

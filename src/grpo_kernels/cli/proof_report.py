@@ -19,7 +19,8 @@ SCHEMA_VERSION = 1
 # Phases a backend may lack, recorded with their reason: rc 3 (the proof's scripts' "skipped"),
 # nvidia-smi missing ("not run"), or the time budget ("skipped").
 SKIP_CODES = (3, "not run", "skipped")
-# Issue 20's accelerator targets.
+# The accelerator targets: a step moves its bytes at >= 70% of a device copy's rate, and peaks
+# at <= logits + dlogits + 10%.
 MIN_COPY_FRACTION = 0.70
 MAX_PEAK_OVER_LOGITS_PLUS_DLOGITS = 1.10
 MIN_HEAD_PEAK_SAVING_BYTES = 4e9
@@ -339,7 +340,7 @@ def _target(name: str, value: float | None, target: str, met: bool | None,
 
 
 def _issue_shapes(fig: dict[str, Any]) -> list[str]:
-    """The logits shapes the issue's targets name (``B.._T..``), not the aligned-vocabulary
+    """The logits shapes the accelerator targets name (``B.._T..``), not the aligned-vocabulary
     extra (``B.._T.._V..``)."""
     return [s for s in fig["logits"] if s.count("_") == 1]
 
@@ -367,7 +368,7 @@ def _copy_target(name: str, frac: float | None) -> dict[str, Any]:
 
 
 def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 20's numbers, each met, missed (by how much, in ``note``) or unmeasured (None)."""
+    """The accelerator targets, each met, missed (by how much, in ``note``) or unmeasured (None)."""
     out = []
     for s in _issue_shapes(fig):
         t = fig["logits"][s]

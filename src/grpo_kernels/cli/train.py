@@ -93,7 +93,8 @@ def run_ab(args: argparse.Namespace) -> int:
     from grpo_kernels.rl.trainer import Trainer
 
     arms = parse_arms(args.arms)
-    base = load_config(args, **{"train.steps": args.steps, "train.run_dir": args.run_dir})
+    base = load_config(args, **{"train.steps": args.steps, "train.run_dir": args.run_dir,
+                                "eval.num_problems": args.eval})
     configs = {f"{h}-{i}": base.replace(**{"loss.head": h, "loss.impl": i, "train.run_dir":
                                            os.path.join(base.train.run_dir, f"{h}-{i}")})
                for h, i in arms}  # all validated before any run starts
@@ -126,6 +127,7 @@ def run_arm_process(args: argparse.Namespace, config: Any) -> None:
            *(["--config", args.config] if args.config else []),
            *(x for item in args.set or [] for x in ("--set", item)),
            "--set", f"loss.head={config.loss.head}", "--set", f"loss.impl={config.loss.impl}",
+           "--set", f"eval.num_problems={config.eval.num_problems}",
            "--run-dir", config.train.run_dir, "--steps", str(config.train.steps),
            *(["--no-progress"] if args.no_progress else [])]
     rc = subprocess.run(cmd, check=False).returncode
@@ -138,14 +140,18 @@ def run_eval(args: argparse.Namespace) -> int:
     import json
 
     from grpo_kernels.rl import data as data_lib
-    from grpo_kernels.rl.evaluate import evaluate
+    from grpo_kernels.rl.evaluate import evaluate, held_out
     from grpo_kernels.rl.trainer import Trainer, load_policy
 
     extra = {"data.source": "gsm8k", "data.path": args.data} if args.data else {}
     config = load_config(args, **{"train.run_dir": args.checkpoint, **extra})
-    problems = data_lib.load_problems(config.data.source, config.data.path,
+    if config.data.source == "gsm8k":
+        problems = data_lib.load_gsm8k(config.data.path)[:args.limit]
+    else:  # the held-out problems a training run of this config scores (eval_problems.jsonl)
+        pool = data_lib.load_problems(config.data.source, config.data.path,
                                       config.data.difficulty, config.data.num_problems,
-                                      config.seed + 1)[:args.limit]
+                                      config.seed)
+        problems = held_out(config, pool, args.limit)
     if args.checkpoint:
         if not os.path.isdir(os.path.join(args.checkpoint, "checkpoints")):
             raise ValueError(f"--checkpoint {args.checkpoint!r}: no checkpoints/ directory "
@@ -205,13 +211,18 @@ def add_parsers(sub: Any) -> None:
                    help="one: every arm in this process (default); per-arm: each arm in a "
                    "fresh `grpo-kernels train` process, so that a GPU's or TPU's peak memory "
                    "(a process-wide high-water mark) is the arm's own")
+    p.add_argument("--eval", type=int, metavar="N",
+                   help="score each arm's greedy accuracy on N held-out problems before step 1 "
+                   "and after the last step, into the report (overrides eval.num_problems)")
     p.add_argument("--json", action="store_true",
                    help="also print the report's numbers as one JSON line")
     p.set_defaults(run=run_ab)
 
     p = sub.add_parser("eval", help="greedy accuracy on a problem set",
-                       description="Greedy completions of the first --limit problems; accuracy "
-                       "by math-verify against the '#### N' answer.")
+                       description="Greedy completions of the first --limit problems (GSM8K "
+                       "from --data or data.path; for generated arithmetic, the held-out "
+                       "problems a training run of the config scores); accuracy by "
+                       "math-verify against the answer.")
     _common(p)
     p.add_argument("--checkpoint", help="a train.run_dir whose last checkpoint to evaluate "
                    "(default: the config's model as loaded)")

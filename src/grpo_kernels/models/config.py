@@ -19,9 +19,13 @@ class ModelConfig:
 
     Attributes:
       family: ``"qwen2"`` (q/k/v projections with bias) or ``"llama"``.
-      vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
-        head_dim: the usual shapes; ``num_heads`` must be a multiple of ``num_kv_heads``
-        (grouped-query attention).
+      vocab_size: Rows of the embedding and the head.
+      hidden_size: Width of the residual stream.
+      intermediate_size: Width of the MLP.
+      num_layers: Decoder layers.
+      num_heads: Query heads; a multiple of ``num_kv_heads`` (grouped-query attention).
+      num_kv_heads: Key and value heads.
+      head_dim: Width of one head.
       rms_norm_eps: RMSNorm epsilon.
       rope_theta: RoPE base.
       rope_scaling: ``None`` or a mapping with ``rope_type`` ``"linear"`` (``factor``) or

@@ -150,7 +150,9 @@ def generate(model: Decoder, prompts: Sequence[Sequence[int]], *, num_generation
       num_generations: Completions per prompt (GRPO's group size).
       max_new_tokens: Most tokens per completion.
       temperature: ``0`` for greedy; else the softmax temperature.
-      top_k, top_p: Optional restrictions of the sampled distribution.
+      top_k: Sample among the ``top_k`` likeliest tokens only (``None``: all).
+      top_p: Sample from the smallest set of likeliest tokens whose probability reaches
+        ``top_p`` (``None``: all).
       eos_ids: Token ids that end a completion (kept in it, with mask 1).
       pad_id: Id written after the end.
       seed: PRNG seed.

@@ -16,6 +16,7 @@ from grpo_kernels.rl.sections import (
     LOSS_HEADS,
     LOSS_IMPLS,
     DataSection,
+    EvalSection,
     LoggingSection,
     LossSection,
     MeshSection,
@@ -45,6 +46,7 @@ class TrainConfig:
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     loss: LossSection = dataclasses.field(default_factory=LossSection)
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
     logging: LoggingSection = dataclasses.field(default_factory=LoggingSection)
 
@@ -90,6 +92,6 @@ class TrainConfig:
 
 
 __all__ = ["LOSS_HEADS", "LOSS_IMPLS", "TrainConfig", "RandomModelSection", "ModelSection",
-           "DataSection", "RewardsSection", "RewardFunction",
+           "DataSection", "EvalSection", "RewardsSection", "RewardFunction",
            "RolloutSection", "OptimSection", "TrainSection", "LossSection", "MeshSection",
            "LoggingSection", "set_dotted"]

@@ -118,6 +118,49 @@ def arithmetic_problems(count: int, difficulty: int, seed: int) -> list[Problem]
     return [_LEVELS[difficulty](rng) for _ in range(count)]
 
 
+# the random stream of held-out problems: the training pool's is ``[seed, difficulty]``
+_HELD_OUT_STREAM = 1
+
+
+def held_out_problems(count: int, difficulty: int, seed: int,
+                      exclude: Sequence[Problem]) -> list[Problem]:
+    """``count`` arithmetic problems for evaluation, none of whose questions is in ``exclude``
+    (the training pool) nor repeated.
+
+    They come from a random stream the training pool never draws from (``[seed, difficulty,
+    1]`` against the pool's ``[seed, difficulty]``); a generated question that equals a
+    training one (small numbers make that happen) is dropped, so the set is disjoint by
+    construction and not only by chance. Deterministic in its arguments.
+
+    Raises:
+      ValueError: the generator cannot find ``count`` distinct unseen questions.
+    """
+    if difficulty not in _LEVELS:
+        raise ValueError(f"difficulty must be 1, 2 or 3, got {difficulty!r}")
+    rng = np.random.default_rng([seed, difficulty, _HELD_OUT_STREAM])
+    seen = {p.question for p in exclude}
+    out: list[Problem] = []
+    for _ in range(10 * count + 100):
+        if len(out) == count:
+            return out
+        problem = _LEVELS[difficulty](rng)
+        if problem.question not in seen:
+            seen.add(problem.question)
+            out.append(problem)
+    if len(out) == count:
+        return out
+    raise ValueError(f"eval.num_problems={count}: only {len(out)} arithmetic problems of level "
+                     f"{difficulty} are not in the training pool; ask for fewer")
+
+
+def save_problems(path: str, problems: Sequence[Problem]) -> None:
+    """Writes problems as jsonl in GSM8K's form (``answer`` ends in ``#### N``), so that
+    :func:`load_gsm8k` reads them back."""
+    with open(path, "w", encoding="utf-8") as f:
+        for p in problems:
+            f.write(json.dumps({"question": p.question, "answer": f"#### {p.answer}"}) + "\n")
+
+
 # --- order and formatting -------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=8)

@@ -2,28 +2,33 @@
 
 Markdown with step 1 (identical rollouts, so loss and grad norm must agree within the bfloat16
 loss tolerances of ``grpo-kernels gradcheck``), the last-10-step means and their ratios to the
-first (baseline) run, each run's reward trend, and a PNG of reward, loss, step time and memory
-per step.
+first (baseline) run, each run's reward trend, the held-out accuracy before and after where the
+runs measured it (``eval.num_problems``), and a PNG of reward, correctness, loss, step time,
+memory and held-out accuracy.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Any, Sequence
 
 import numpy as np
 
+from grpo_kernels.rl.evaluate import compare
 from grpo_kernels.rl.run_dir import read_metrics
 
 # step 1: the loss gate of gradcheck's bfloat16 tolerances, and its relative gradient gate
 # (plus an absolute floor: with all-equal rewards the gradient is rounding noise near 0)
 LOSS_ATOL, LOSS_RTOL, GRAD_NORM_RTOL, GRAD_NORM_ATOL = 1e-4, 1e-4, 1e-2, 1e-6
 LAST = 10
-PLOTS = (("reward/mean", "mean reward"), ("loss", "loss"),
-         ("time/train/step_s", "step time (s)"), ("memory/peak_bytes", "peak memory (MiB)"))
+PLOTS = (("reward/mean", "mean reward"), ("reward/correctness", "correctness reward"),
+         ("loss", "loss"), ("time/train/step_s", "step time (s)"),
+         ("memory/peak_bytes", "peak memory (MiB)"))
+EVAL_FILES = ("eval_before.json", "eval_after.json")
 
-SMOOTHED = ("reward/mean", "loss")
+SMOOTHED = ("reward/mean", "reward/correctness", "loss")
 SMOOTH = 5
 EDGE = 5  # steps averaged at each end of a run for the reward trend
 
@@ -82,9 +87,48 @@ def reward_trend(rewards: Sequence[float]) -> dict[str, float | bool]:
     return out
 
 
-def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def read_evals(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """A run's held-out results ``(before, after)`` (``eval_before.json``, ``eval_after.json``),
+    or None when it has not both."""
+    paths = [os.path.join(run_dir, name) for name in EVAL_FILES]
+    if not all(os.path.isfile(p) for p in paths):
+        return None
+    out = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            out.append(json.load(f))
+    return out[0], out[1]
+
+
+def summarize_evals(evals: dict[str, tuple[dict[str, Any], dict[str, Any]]]
+                    ) -> dict[str, Any]:
+    """Each run's held-out gain (:func:`grpo_kernels.rl.evaluate.compare` of its before and
+    after scores) and each later run's final accuracy against the first run's.
+
+    Raises:
+      ValueError: the runs scored different numbers of problems.
+    """
+    names = list(evals)
+    sizes = {f"{name} {which}": len(result["correct"]) for name, pair in evals.items()
+             for which, result in zip(("before", "after"), pair)}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"held-out results of different sizes: {sizes}")
+    out: dict[str, Any] = {"n": next(iter(sizes.values())), "runs": {}}
+    for name, (before, after) in evals.items():
+        out["runs"][name] = {"step": after["step"], **compare(before["correct"],
+                                                              after["correct"])}
+    base_after = evals[names[0]][1]["correct"]
+    for name in names[1:]:
+        out["runs"][name]["vs_baseline"] = compare(base_after, evals[name][1]["correct"])
+    return out
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]],
+              evals: dict[str, tuple[dict[str, Any], dict[str, Any]]] | None = None
+              ) -> dict[str, Any]:
     """Numbers of the report: per-run step 1 and last-10 means, ratios to the first run, the
-    step-1 agreement and the reward-noise check."""
+    step-1 agreement, the reward-noise check, and (when every run has them) the held-out
+    accuracies of :func:`summarize_evals` under ``"eval"``."""
     names = list(runs)
     base = names[0]
     out: dict[str, Any] = {"baseline": base, "runs": {}}
@@ -108,6 +152,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "peak_rss_bytes": max(r["memory/peak_rss_bytes"] for r in records),
             "reward_trend": reward_trend([r["reward/mean"] for r in records]),
         }
+        if all("reward/correctness" in r for r in records):
+            out["runs"][name]["correctness_trend"] = reward_trend(
+                [r["reward/correctness"] for r in records])
     b = out["runs"][base]
     for name in names[1:]:
         r = out["runs"][name]
@@ -130,7 +177,32 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "reward_noise_2se": noise,
             "reward_within_noise": abs(reward_diff) <= noise,
         })
+    if evals and len(evals) == len(runs):
+        out["eval"] = summarize_evals(evals)
     return out
+
+
+def _eval_lines(ev: dict[str, Any], base: str) -> list[str]:
+    """The held-out accuracy section of the report."""
+    runs = ev["runs"]
+    lines = ["## Held-out accuracy (greedy)", "",
+             f"{ev['n']} held-out problems, the same for every run and both scorings. Standard "
+             "errors of a difference are paired (the scorings share their problems; the "
+             "unpaired one is in brackets).", "",
+             "| | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
+    rows = [("before step 1", lambda r: f"{r['before']:.3f}"),
+            ("after the last step", lambda r: f"{r['after']:.3f} (step {r['step']})"),
+            ("gain (SE)", lambda r: f"{r['diff']:+.3f} ({r['se']:.3f} [{r['unpaired_se']:.3f}])"),
+            ("problems whose score changed", lambda r: str(r["changed"])),
+            ("gain > 2 SE", lambda r: "yes" if r["exceeds_2se"] else "no")]
+    for label, fmt in rows:
+        lines.append(f"| {label} | " + " | ".join(fmt(r) for r in runs.values()) + " |")
+    lines.append("")
+    for name, r in list(runs.items())[1:]:
+        v = r["vs_baseline"]
+        lines.append(f"- {name} vs {base}, after: {v['diff']:+.3f} (2 SE = {2 * v['se']:.3f}): "
+                     + ("within 2 SE" if not v["exceeds_2se"] else "outside 2 SE"))
+    return lines + [""]
 
 
 def _seconds(x: float | None) -> str:
@@ -161,6 +233,9 @@ def markdown(summary: dict[str, Any], title: str, png: str | None) -> str:
              lambda t: f"{t['slope']:+.4f} ({2 * t['slope_se']:.4f})"),
             ("reward rises (slope > 2 SE)", "reward_trend",
              lambda t: "yes" if t["rises"] else "no")]
+    if all("correctness_trend" in r for r in runs.values()):
+        rows.append((f"correctness, first {EDGE} -> last {EDGE} steps", "correctness_trend",
+                     lambda t: f"{t['first']:.3f} -> {t['last']:.3f}"))
     for label, key, fmt in rows:
         lines.append(f"| {label} | " + " | ".join(fmt(r[key]) for r in runs.values()) + " |")
     lines.append("")
@@ -180,6 +255,8 @@ def markdown(summary: dict[str, Any], title: str, png: str | None) -> str:
                   f"- last-10 reward difference = {r['reward_last10_diff']:+.3f} "
                   f"(2 standard errors: {r['reward_noise_2se']:.3f}): "
                   f"{'within noise' if r['reward_within_noise'] else 'outside noise'}", ""]
+    if "eval" in summary:
+        lines += _eval_lines(summary["eval"], base)
     lines.append("Peak memory is the device's peak_bytes_in_use where the backend reports it, "
                  "else the update step's compiled temp bytes (XLA's plan). The reward slope is "
                  "the least-squares line through the per-step means; its standard error "
@@ -190,14 +267,17 @@ def markdown(summary: dict[str, Any], title: str, png: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: dict[str, list[dict[str, Any]]], path: str, title: str) -> str:
-    """Reward, loss, step time and memory per step for every run, as a PNG."""
+def plot(runs: dict[str, list[dict[str, Any]]], path: str, title: str,
+         evals: dict[str, Any] | None = None) -> str:
+    """Reward, correctness, loss, step time and memory per step for every run, and the
+    held-out accuracy before and after (``evals``: :func:`summarize_evals`), as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), constrained_layout=True)
+    _plot_evals(axes.flat[-1], evals)
     for ax, (key, label) in zip(axes.flat, PLOTS):
         for i, (name, records) in enumerate(runs.items()):
             steps = np.array([r["step"] for r in records if key in r])
@@ -223,14 +303,37 @@ def plot(runs: dict[str, list[dict[str, Any]]], path: str, title: str) -> str:
     return path
 
 
+def _plot_evals(ax: Any, evals: dict[str, Any] | None) -> None:
+    """Bars of each run's held-out accuracy before and after, with 2 binomial SE whiskers."""
+    if not evals:
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no held-out evaluation\n(eval.num_problems = 0)", ha="center",
+                va="center", transform=ax.transAxes, color="0.4")
+        return
+    from grpo_kernels.rl.evaluate import binomial_se
+
+    n = evals["n"]
+    for i, (name, r) in enumerate(evals["runs"].items()):
+        for j, (when, value) in enumerate((("before", r["before"]), ("after", r["after"]))):
+            ax.bar(i + 0.4 * j - 0.2, value, width=0.38, color=f"C{i}",
+                   alpha=0.45 if when == "before" else 0.95,
+                   yerr=2 * binomial_se(value, n), capsize=4,
+                   label=f"{name} {when}")
+    ax.set_xticks(range(len(evals["runs"])), list(evals["runs"]), fontsize=8)
+    ax.set_ylabel(f"held-out accuracy (n = {n}; bars: before, after; 2 SE)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
+
+
 def ab_report(run_dirs: dict[str, str], out_dir: str, title: str = "GRPO A/B"
               ) -> tuple[str, str, dict[str, Any]]:
     """Writes ``ab_report.md`` and ``ab_curves.png`` into ``out_dir``; returns
     ``(markdown path, png path, summary)``."""
     runs = {name: read_metrics(d) for name, d in run_dirs.items()}
-    summary = summarize(runs)
+    evals = {name: e for name, d in run_dirs.items() if (e := read_evals(d)) is not None}
+    summary = summarize(runs, evals)
     os.makedirs(out_dir, exist_ok=True)
-    png = plot(runs, os.path.join(out_dir, "ab_curves.png"), title)
+    png = plot(runs, os.path.join(out_dir, "ab_curves.png"), title, summary.get("eval"))
     md_path = os.path.join(out_dir, "ab_report.md")
     with open(md_path, "w", encoding="utf-8") as f:
         f.write(markdown(summary, title, png))

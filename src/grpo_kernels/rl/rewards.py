@@ -18,11 +18,16 @@ _FINAL_LINE = re.compile(r"^\s*####\s*\$?\s*-?\d[\d,]*(?:\.\d+)?\s*\.?\s*$")
 
 
 def final_answer(completion: str) -> str | None:
-    """The answer a completion commits to: what follows its last ``####`` (first line), else
-    its last number; ``None`` when it has neither."""
+    """The answer a completion commits to: the one number on the first line after its last
+    ``####``, else its last number; ``None`` when it has neither.
+
+    A ``####`` line with several numbers (``#### 5 or 6``, ``#### 2*3``) commits to none and
+    gives ``None``, so hedging earns nothing; so does a second ``####`` line after the right
+    one (only the last counts)."""
     if "####" in completion:
         tail = completion.rsplit("####", 1)[1].strip()
-        return tail.splitlines()[0] if tail else None
+        numbers = _NUMBER.findall(tail.splitlines()[0]) if tail else []
+        return numbers[0] if len(numbers) == 1 else None
     numbers = _NUMBER.findall(completion)
     return numbers[-1] if numbers else None
 

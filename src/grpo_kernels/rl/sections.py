@@ -333,6 +333,37 @@ class LossSection(Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalSection(Section):
+    """Held-out greedy accuracy of the policy before the first step and after the last.
+
+    Attributes:
+      num_problems: Held-out problems to score (0: no evaluation). The trainer writes them to
+        ``eval_problems.jsonl`` in the run directory and the results to ``eval_before.json`` and
+        ``eval_after.json`` (with each problem's 0/1 score, for paired comparisons).
+      path: A GSM8K jsonl file to take them from (e.g. the test split); by default, arithmetic
+        problems of ``data.difficulty`` from a random stream the training pool never draws
+        from, without any question the pool holds (:func:`grpo_kernels.rl.data.
+        held_out_problems`).
+      max_new_tokens: Longest greedy completion (default: ``rollout.max_new_tokens``).
+      batch_size: Prompts per generation call.
+    """
+
+    KEY = "eval"
+
+    num_problems: int = 0
+    path: str | None = None
+    max_new_tokens: int | None = None
+    batch_size: int = 32
+
+    def validate(self, key: str) -> None:
+        if (not isinstance(self.num_problems, int) or isinstance(self.num_problems, bool)
+                or self.num_problems < 0):
+            fail(f"{key}.num_problems", f"must be an int >= 0, got {self.num_problems!r}")
+        positive(f"{key}.max_new_tokens", self.max_new_tokens, allow_none=True)
+        positive(f"{key}.batch_size", self.batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshSection(Section):
     """Optional device mesh for the loss: ``shape`` maps axis names to sizes
     (``{dp: 2, tp: 4}``); ``batch_axes`` shard rows, ``vocab_axis`` the vocabulary."""

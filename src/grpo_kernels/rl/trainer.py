@@ -10,6 +10,10 @@ Resuming: the problems of step ``s`` and its sampling seed depend only on ``(see
 checkpoint holds the parameters and optimizer state, so a run restarted with the same command
 continues from its last checkpoint exactly as if it had never stopped.
 
+Held-out accuracy: with ``eval.num_problems`` set, the policy's greedy accuracy on held-out
+problems (disjoint from the training pool) is measured before the first step and after the
+last, and written to the run directory (:data:`EVAL_FILES`) as soon as each is known.
+
 Non-finite steps: each micro-batch's loss and gradient are checked on the host before they
 count; the first that is not finite ends the step's update without applying it, so the
 parameters and optimizer state stay bit for bit what they were, and the step's record says
@@ -22,7 +26,9 @@ checkpoints would then change shape, and cannot say which micro-batch failed.)
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import sys
 import time
 from typing import Any, Callable
@@ -43,6 +49,7 @@ from grpo_kernels.rl import data as data_lib
 from grpo_kernels.rl import kernel as kernel_lib
 from grpo_kernels.rl import processes
 from grpo_kernels.rl import rewards as rewards_lib
+from grpo_kernels.rl.evaluate import evaluate, held_out
 from grpo_kernels.rl.checkpoint import Checkpoints
 from grpo_kernels.rl.config import TrainConfig
 from grpo_kernels.rl.policy import (METRIC_NAMES, Batch, make_programs, micro_config,
@@ -50,6 +57,10 @@ from grpo_kernels.rl.policy import (METRIC_NAMES, Batch, make_programs, micro_co
 from grpo_kernels.rl.run_dir import RunDir, device_peak_bytes, peak_rss_bytes
 
 Array = jax.Array
+
+# the held-out problems, and the policy's scores on them before step 1 and after the last step
+EVAL_FILES = {"problems": "eval_problems.jsonl", "before": "eval_before.json",
+              "after": "eval_after.json"}
 
 
 def load_policy(config: TrainConfig) -> tuple[Decoder, Any]:
@@ -102,6 +113,7 @@ class Trainer:
                                                                c.loss.kernel)
         self.problems = data_lib.load_problems(c.data.source, c.data.path, c.data.difficulty,
                                                c.data.num_problems, c.seed)
+        self.held_out = held_out(c, self.problems) if c.eval.num_problems else []
         self.model, self.tokenizer = load_policy(c)
         self.loss_config = c.loss_config()
         # what each micro-batch's loss runs with: TRL's accumulation (rl.policy)
@@ -301,6 +313,38 @@ class Trainer:
                   "time/train/step_s": t2 - t0}
         return record, sample
 
+    # --- held-out evaluation ------------------------------------------------------------
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """Greedy accuracy of the current policy on the held-out problems
+        (:func:`grpo_kernels.rl.evaluate.evaluate`), tagged with ``step``."""
+        c = self.config
+        nnx.update(self.model, processes.local_copy(self.state))
+        result = evaluate(self.model, self.tokenizer, self.held_out,
+                          system_prompt=c.data.system_prompt,
+                          max_new_tokens=c.eval.max_new_tokens or c.rollout.max_new_tokens,
+                          batch_size=c.eval.batch_size,
+                          progress=self.progress and processes.is_primary())
+        return {"step": step, **result}
+
+    def _evaluate_into(self, which: str, step: int) -> None:
+        """Runs :meth:`evaluate` unless the run directory already holds its result for
+        ``step``; writes it (process 0) and reports it on stderr."""
+        path = os.path.join(self.config.train.run_dir, EVAL_FILES[which])
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                if json.load(f).get("step") == step:
+                    return
+        result = self.evaluate(step)
+        if processes.is_primary():
+            _write_json(path, result)
+            if which == "before":
+                data_lib.save_problems(os.path.join(self.config.train.run_dir,
+                                                    EVAL_FILES["problems"]), self.held_out)
+            print(f"held-out accuracy {which} (step {step}): {result['accuracy']:.3f} "
+                  f"± {result['accuracy_se']:.3f} on {result['n']} problems",
+                  file=sys.stderr)
+
     # --- checkpoints ----------------------------------------------------------------------
 
     def checkpoints(self) -> Checkpoints:
@@ -344,6 +388,8 @@ class Trainer:
         try:
             start = self.restore(ckpt)
             run.open(start)
+            if self.held_out and start == 0:
+                self._evaluate_into("before", 0)
             step_times = [r.get("time/train/step_s", 0.0) for r in run.records][-10:]
             bar = tqdm(total=c.train.steps, initial=start, desc=f"train {c.loss.arm}",
                        disable=not (self.progress and primary), dynamic_ncols=True)
@@ -378,6 +424,11 @@ class Trainer:
                 done = step + 1
                 if done % c.train.checkpoint_every == 0 or done == c.train.steps:
                     ckpt.save(done, self.state, self.opt_state)
+            last = records[-1]["step"] if records else start
+            if self.held_out and last == c.train.steps:
+                if bar is not None:
+                    bar.close()
+                self._evaluate_into("after", last)
         except KeyboardInterrupt:  # keep what finished: a checkpoint at the last full step
             if records:
                 ckpt.save(records[-1]["step"], self.state, self.opt_state)
@@ -400,3 +451,12 @@ class Trainer:
             out["memory/device_peak_bytes"] = device
         out["memory/peak_bytes"] = device if device is not None else self.update_temp_bytes
         return out
+
+
+def _write_json(path: str, value: Any) -> None:
+    """Writes ``value`` as JSON through a temporary file, so a crash leaves the old file or the
+    new one, never half of one."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1)
+    os.replace(tmp, path)

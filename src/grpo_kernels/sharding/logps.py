@@ -53,9 +53,10 @@ def sharded_token_logps(logits: Array, ids: Array, *, mesh: Mesh, sharding: Shar
     ``P(batch_axes, None)``; inputs in any other layout (on Auto or Explicit axes) are moved
     there first. Nothing vocabulary-sized crosses devices.
 
+    The other arguments are those of :func:`grpo_kernels.token_logps` (``options`` apply to
+    each device's block).
+
     Args:
-      logits, ids, temperature, return_entropy, impl, options, check_ids, logit_softcap: as
-        :func:`grpo_kernels.token_logps` (``options`` apply to each device's block).
       mesh: The device mesh.
       sharding: Which mesh axes split ``B`` and ``V``.
 
@@ -89,10 +90,9 @@ def sharded_token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *
     ``P(batch_axes, None)``. No device holds ``[B, T, V]`` or ``[T, V]``; the collectives are
     ``[B/b, T]``-sized (and, sequence-parallel, each chunk's hidden rows).
 
+    The other arguments are those of :func:`grpo_kernels.token_logps_from_hidden`.
+
     Args:
-      hidden, lm_head, ids, lm_head_layout, bias, temperature, logits_dtype, logit_softcap,
-        return_entropy, impl, options, check_ids: as
-        :func:`grpo_kernels.token_logps_from_hidden`.
       mesh: The device mesh.
       sharding: Which mesh axes split ``B`` and ``V``.
 

@@ -250,11 +250,10 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
     per-token metrics ``P(batch_axes, None)``; ``advantages`` ``P(batch_axes)``; the loss and the
     scalar metrics replicated. The gradient w.r.t. ``logits`` has the logits' layout.
 
+    The other arguments are those of :func:`grpo_kernels.grpo_loss` (``options`` apply to each
+    device's block).
+
     Args:
-      logits, ids, mask, advantages, config, old_logps, ref_logps, num_items_in_batch,
-        sampler_weights, sampler_logps, impl, check_ids, options, logit_softcap: as
-        :func:`grpo_kernels.grpo_loss`;
-        ``options`` applies to each device's block.
       mesh: The device mesh.
       sharding: Which mesh axes split ``B`` and ``V``.
 
@@ -302,11 +301,9 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
     sharded on ``V`` (summed over the batch axes), ``dhidden`` on ``B`` (and ``T`` when
     sequence-parallel; summed over the vocab axis).
 
+    The other arguments are those of :func:`grpo_kernels.grpo_loss_from_hidden`.
+
     Args:
-      hidden, lm_head, ids, mask, advantages, config, old_logps, ref_logps,
-        num_items_in_batch, sampler_weights, sampler_logps, impl, lm_head_layout, bias,
-        logits_dtype, check_ids, options, logit_softcap:
-        as :func:`grpo_kernels.grpo_loss_from_hidden`.
       mesh: The device mesh.
       sharding: Which mesh axes split ``B`` and ``V``.
 

@@ -288,7 +288,7 @@ def test_on_policy_and_dapo_num_items():
 
 
 def test_f32_error_at_a_larger_shape():
-    """The issue's f32 gate (rel err of dhidden and dW <= 1e-5) with real chunking."""
+    """The f32 gate (rel err of dhidden and dW <= 1e-5) with real chunking."""
     cfg = GRPOLossConfig(beta=0.04)
     assert_close("xla", make_inputs(5, b=2, t=160, h=128, v=4099), cfg,
                  options=LmHeadBlockSizes(chunk_tokens=64))
@@ -368,7 +368,7 @@ def test_temp_memory_is_independent_of_tokens():
 
 
 def test_bf16_temps_at_the_benchmark_shape():
-    """Issue 4's memory gate where its benchmark runs (N = 2048, H = 512, V = 32768, bf16,
+    """The memory gate of the fused head where its benchmark runs (N = 2048, H = 512, V = 32768, bf16,
     planned chunks, metrics kept): temporaries <= 0.10 x the reference's. Compile-only."""
     fused, ref = (_temp_bytes(impl, 2048, vocab=32768, hidden=512, dtype=jnp.bfloat16, beta=0.0,
                               chunk_tokens=None) for impl in ("xla", "reference"))

@@ -1,4 +1,4 @@
-"""Every fast implementation against the reference: the issue's grid, odd shapes, edge cases."""
+"""Every fast implementation against the reference: the grid of options, odd shapes, edge cases."""
 
 import jax
 import jax.numpy as jnp
@@ -201,7 +201,7 @@ def test_gradient_scales_with_cotangent(impl):
 
 
 def test_xla_never_holds_a_float32_copy_of_the_logits():
-    """Planned temp memory (memory_analysis, compile only) of value_and_grad at the issue's
+    """Planned temp memory (memory_analysis, compile only) of value_and_grad at the benchmark's
     benchmark shape, bf16 logits [4, 1024, 32768]: xla <= 0.05 x reference."""
     b, t, v = 4, 1024, 32768
     cfg = GRPOLossConfig(importance_sampling_level="sequence", beta=0.04)

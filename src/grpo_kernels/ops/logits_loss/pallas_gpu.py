@@ -119,7 +119,7 @@ def _grad_kernel(x_ref, id_ref, lse_ref, coef_ref, *rest, block_vocab, inv_tau, 
     # The order of these lines is the order of the Triton IR, and it matters: with the two
     # scalar loads traced before the exp, the kernel took 1.45-1.65x as long on an H100 at
     # V = 151,643 (unaligned rows, 2-byte loads), with no change at V = 151,936
-    # (docs/benchmarks.md, "GPU", the issue-19 regression).
+    # (docs/kernels.md, "Benchmarks").
     p = jnp.exp(u)
     coef = coef_ref[...]
     hit = cols == id_ref[...]

@@ -159,7 +159,9 @@ def token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *,
         ``ids[:, t]``.
       lm_head: ``[H, V]`` (``lm_head_layout="hv"``) or ``[V, H]`` (``"vh"``).
       ids: ``[B, T]`` integer token ids (clamped into ``[0, V)`` unless ``check_ids``).
-      lm_head_layout, bias, logits_dtype: as :func:`grpo_kernels.grpo_loss_from_hidden`.
+      lm_head_layout: ``"hv"`` or ``"vh"``, as in :func:`grpo_kernels.grpo_loss_from_hidden`.
+      bias: Optional ``[V]`` head bias.
+      logits_dtype: Dtype of the logits, as in :func:`grpo_kernels.grpo_loss_from_hidden`.
       temperature: :math:`\tau > 0`.
       logit_softcap: :math:`c > 0`: the logits soft-capped, :math:`c \tanh(z / c)`, after the
         head and before the temperature (Gemma 2's final-logit cap; ``reference`` and ``xla``).
