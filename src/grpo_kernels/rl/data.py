@@ -140,9 +140,9 @@ def held_out_problems(count: int, difficulty: int, seed: int,
     rng = np.random.default_rng([seed, difficulty, _HELD_OUT_STREAM])
     seen = {p.question for p in exclude}
     out: list[Problem] = []
-    for _ in range(10 * count + 100):
-        if len(out) == count:
-            return out
+    attempts = 10 * count + 100
+    while len(out) < count and attempts:
+        attempts -= 1
         problem = _LEVELS[difficulty](rng)
         if problem.question not in seen:
             seen.add(problem.question)

@@ -9,15 +9,14 @@ memory and held-out accuracy.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any, Sequence
 
 import numpy as np
 
-from grpo_kernels.rl.evaluate import compare
-from grpo_kernels.rl.run_dir import read_metrics
+from grpo_kernels.rl.evaluate import binomial_se, compare
+from grpo_kernels.rl.run_dir import read_evals, read_metrics
 
 # step 1: the loss gate of gradcheck's bfloat16 tolerances, and its relative gradient gate
 # (plus an absolute floor: with all-equal rewards the gradient is rounding noise near 0)
@@ -26,7 +25,6 @@ LAST = 10
 PLOTS = (("reward/mean", "mean reward"), ("reward/correctness", "correctness reward"),
          ("loss", "loss"), ("time/train/step_s", "step time (s)"),
          ("memory/peak_bytes", "peak memory (MiB)"))
-EVAL_FILES = ("eval_before.json", "eval_after.json")
 
 SMOOTHED = ("reward/mean", "reward/correctness", "loss")
 SMOOTH = 5
@@ -85,19 +83,6 @@ def reward_trend(rewards: Sequence[float]) -> dict[str, float | bool]:
         se = float(math.sqrt(resid @ resid / (len(r) - 2) / (sc @ sc)))
         out.update(slope=slope, slope_se=se, rises=bool(slope > 2 * se))
     return out
-
-
-def read_evals(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """A run's held-out results ``(before, after)`` (``eval_before.json``, ``eval_after.json``),
-    or None when it has not both."""
-    paths = [os.path.join(run_dir, name) for name in EVAL_FILES]
-    if not all(os.path.isfile(p) for p in paths):
-        return None
-    out = []
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            out.append(json.load(f))
-    return out[0], out[1]
 
 
 def summarize_evals(evals: dict[str, tuple[dict[str, Any], dict[str, Any]]]
@@ -310,8 +295,6 @@ def _plot_evals(ax: Any, evals: dict[str, Any] | None) -> None:
         ax.text(0.5, 0.5, "no held-out evaluation\n(eval.num_problems = 0)", ha="center",
                 va="center", transform=ax.transAxes, color="0.4")
         return
-    from grpo_kernels.rl.evaluate import binomial_se
-
     n = evals["n"]
     for i, (name, r) in enumerate(evals["runs"].items()):
         for j, (when, value) in enumerate((("before", r["before"]), ("after", r["after"]))):

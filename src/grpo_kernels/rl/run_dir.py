@@ -19,6 +19,10 @@ import yaml
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 CONFIG_FILE = "config.yaml"
+# eval.num_problems: the held-out problems, and the policy's scores on them before step 1 and
+# after the last step
+EVAL_FILES = {"problems": "eval_problems.jsonl", "before": "eval_before.json",
+              "after": "eval_after.json"}
 # keys of the config that may change between a run and its resumption
 RESUMABLE_CHANGES = ("train.steps", "logging.wandb_mode", "train.keep_checkpoints")
 
@@ -50,6 +54,28 @@ def truncate_jsonl(path: str, step: int) -> list[dict[str, Any]]:
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in kept)
     return kept
+
+
+def write_json(path: str, value: Any) -> None:
+    """Writes ``value`` as JSON through a temporary file, so a crash leaves the old file or the
+    new one, never half of one."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1)
+    os.replace(tmp, path)
+
+
+def read_evals(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """A run's held-out results ``(before, after)`` (:data:`EVAL_FILES`), or None when it has
+    not both."""
+    paths = [os.path.join(run_dir, EVAL_FILES[which]) for which in ("before", "after")]
+    if not all(os.path.isfile(p) for p in paths):
+        return None
+    out = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            out.append(json.load(f))
+    return out[0], out[1]
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ continues from its last checkpoint exactly as if it had never stopped.
 
 Held-out accuracy: with ``eval.num_problems`` set, the policy's greedy accuracy on held-out
 problems (disjoint from the training pool) is measured before the first step and after the
-last, and written to the run directory (:data:`EVAL_FILES`) as soon as each is known.
+last, and written to the run directory (:data:`grpo_kernels.rl.run_dir.EVAL_FILES`) as soon as each is known.
 
 Non-finite steps: each micro-batch's loss and gradient are checked on the host before they
 count; the first that is not finite ends the step's update without applying it, so the
@@ -54,13 +54,10 @@ from grpo_kernels.rl.checkpoint import Checkpoints
 from grpo_kernels.rl.config import TrainConfig
 from grpo_kernels.rl.policy import (METRIC_NAMES, Batch, make_programs, micro_config,
                                     micro_scale)
-from grpo_kernels.rl.run_dir import RunDir, device_peak_bytes, peak_rss_bytes
+from grpo_kernels.rl.run_dir import (EVAL_FILES, RunDir, device_peak_bytes, peak_rss_bytes,
+                                     write_json)
 
 Array = jax.Array
-
-# the held-out problems, and the policy's scores on them before step 1 and after the last step
-EVAL_FILES = {"problems": "eval_problems.jsonl", "before": "eval_before.json",
-              "after": "eval_after.json"}
 
 
 def load_policy(config: TrainConfig) -> tuple[Decoder, Any]:
@@ -337,7 +334,7 @@ class Trainer:
                     return
         result = self.evaluate(step)
         if processes.is_primary():
-            _write_json(path, result)
+            write_json(path, result)
             if which == "before":
                 data_lib.save_problems(os.path.join(self.config.train.run_dir,
                                                     EVAL_FILES["problems"]), self.held_out)
@@ -451,12 +448,3 @@ class Trainer:
             out["memory/device_peak_bytes"] = device
         out["memory/peak_bytes"] = device if device is not None else self.update_temp_bytes
         return out
-
-
-def _write_json(path: str, value: Any) -> None:
-    """Writes ``value`` as JSON through a temporary file, so a crash leaves the old file or the
-    new one, never half of one."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1)
-    os.replace(tmp, path)
