@@ -105,3 +105,21 @@ def test_held_out_problems_refuse_when_the_generator_runs_dry(monkeypatch):
     monkeypatch.setitem(data._LEVELS, 1, lambda rng: data.Problem("same?", "1"))
     with pytest.raises(ValueError, match="eval.num_problems=2: only 1 arithmetic problems"):
         held_out_problems(2, 1, 3, [])
+
+
+def test_held_out_set_errors_name_the_eval_keys(tmp_path):
+    from grpo_kernels.rl.config import TrainConfig
+    from grpo_kernels.rl.evaluate import held_out
+
+    missing = TrainConfig.from_dict({"eval": {"num_problems": 2, "path": "/nonexistent.jsonl"}})
+    with pytest.raises(ValueError, match="eval.path '/nonexistent.jsonl': no such file"):
+        held_out(missing, [])
+    path = tmp_path / "test.jsonl"
+    save_problems(str(path), arithmetic_problems(3, 1, seed=0))
+    short = TrainConfig.from_dict({"eval": {"num_problems": 5, "path": str(path)}})
+    with pytest.raises(ValueError, match="3 problems, eval.num_problems asks for 5"):
+        held_out(short, [])
+    gsm8k = TrainConfig.from_dict({"data": {"source": "gsm8k", "path": str(path)},
+                                   "eval": {"num_problems": 2}})
+    with pytest.raises(ValueError, match="eval.path: held-out problems for data.source='gsm8k'"):
+        held_out(gsm8k, [])

@@ -4,6 +4,7 @@ the held-out set of a run, and the statistics that compare two accuracies."""
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -81,10 +82,14 @@ def held_out(config: Any, pool: Sequence[data_lib.Problem], count: int | None = 
     or generated ones (:func:`grpo_kernels.rl.data.held_out_problems`).
 
     Raises:
-      ValueError: GSM8K training data without ``eval.path``, or too few problems.
+      ValueError: GSM8K training data without ``eval.path``, a missing ``eval.path``, or too
+        few problems.
     """
     count = config.eval.num_problems if count is None else count
     if config.eval.path:
+        if not os.path.isfile(config.eval.path):
+            raise ValueError(f"eval.path {config.eval.path!r}: no such file (expected a GSM8K "
+                             "jsonl file)")
         problems = data_lib.load_gsm8k(config.eval.path)[:count]
         if len(problems) < count:
             raise ValueError(f"eval.path {config.eval.path!r}: {len(problems)} problems, "
