@@ -1,6 +1,8 @@
 """The sharded log-prob ops equal the one-device ops (values and gradients), on every mesh of the
 loss tests, with ``[B, T]``-sized collectives only."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,10 +76,14 @@ def test_logits_logps_equal_one_device(m, impl):
 
 @pytest.mark.parametrize("m, impl", CASES, ids=[f"{mesh_id(m)}-{i}" for m, i in CASES])
 def test_hidden_logps_equal_one_device(m, impl):
+    """The head's H split over the last batch axis (``head_axes``, FSDP weights as tunix places
+    them): the xla head gathers it by vocabulary blocks; the others gather it whole first."""
     mesh, spec = make(m)
+    spec = dataclasses.replace(spec, head_axes=spec.batch_axes[-1:])
     k = jax.random.split(jax.random.key(2), 4)
     h = jax.random.normal(k[0], (B, T, H))
-    w = 0.5 * jax.random.normal(k[1], (V, H))
+    w = jax.device_put(0.5 * jax.random.normal(k[1], (V, H)),
+                       jax.sharding.NamedSharding(mesh, spec.on(mesh).head("vh")))
     bias = 0.1 * jax.random.normal(k[2], (V,))
     ids = jax.random.randint(k[3], (B, T), 0, V)
     opts = _options(impl, head=True)
@@ -109,8 +115,8 @@ def test_explicit_mesh_batch_split_inputs_and_collective_sizes():
 
 
 def test_soft_capped_losses_and_log_probs_on_a_mesh():
-    """logit_softcap through the sharded ops (xla; the reference's statistics on capped logits)
-    equals one device: both log-prob ops and both losses."""
+    """logit_softcap through the sharded ops (xla and the Pallas kernels; the reference's
+    statistics on capped logits) equals one device: both log-prob ops and both losses."""
     from grpo_kernels import GRPOLossConfig, grpo_loss, grpo_loss_from_hidden
     from grpo_kernels.sharding import sharded_grpo_loss, sharded_grpo_loss_from_hidden
 
@@ -120,15 +126,16 @@ def test_soft_capped_losses_and_log_probs_on_a_mesh():
     w = 0.5 * jax.random.normal(k[1], (H, V))
     ids = jax.random.randint(k[2], (B, T), 0, V)
     z = 3 * jax.random.normal(k[3], (B, T, V))
-    for impl in ("reference", "xla"):
+    for impl in ("reference", "xla", "pallas"):
         got = _grads(lambda z: sharded_token_logps(z, ids, mesh=mesh, sharding=spec, impl=impl,
+                                                   options=_options(impl, head=False),
                                                    logit_softcap=2.5, return_entropy=True), z)
         want = _grads(lambda z: token_logps(z, ids, impl="reference", logit_softcap=2.5,
                                             return_entropy=True), z)
         _same(got, want)
         got = _grads(lambda h, w: sharded_token_logps_from_hidden(
-            h, w, ids, mesh=mesh, sharding=spec, impl=impl, logit_softcap=2.5,
-            return_entropy=True), h, w)
+            h, w, ids, mesh=mesh, sharding=spec, impl=impl, options=_options(impl, head=True),
+            logit_softcap=2.5, return_entropy=True), h, w)
         want = _grads(lambda h, w: token_logps_from_hidden(
             h, w, ids, impl="reference", logit_softcap=2.5, return_entropy=True), h, w)
         _same(got, want)

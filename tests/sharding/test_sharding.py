@@ -494,6 +494,64 @@ def test_long_sequence_per_device_temporaries():
     assert long <= 1.2 / 8 * one, (long, one)
 
 
+# (mesh, head axes, config, layout, bias): the head's H split over batch axes (FSDP weights).
+FSDP_RUNS = [(((2, 2, 2), ("dp", "fsdp", "tp")), ("fsdp",), FEW[0], "hv", False),
+             (((2, 2, 2), ("dp", "fsdp", "tp")), ("dp", "fsdp"), FEW[1], "vh", True),
+             (((4, 2), ("fsdp", "tp")), ("fsdp",), HEAD_FAMILY[0], "hv", True),
+             (((8, 1), ("fsdp", "tp")), ("fsdp",), FEW[3], "vh", False)]
+
+
+@pytest.mark.parametrize("m,head_axes,cfg,layout,bias", FSDP_RUNS,
+                         ids=[f"{mesh_id(r[0])}-h{'+'.join(r[1])}-{r[3]}" for r in FSDP_RUNS])
+def test_lm_head_fsdp_weights_equal_one_device(m, head_axes, cfg, layout, bias):
+    """``ShardingSpec.head_axes``: the head arrives with H split over batch axes, as tunix
+    places it, and stays so (each vocabulary block gathered when used, its dW reduce-scattered
+    back); the weight gradient comes back in that layout, equal to one device's (with a bias,
+    an entropy bonus, both layouts, one and two head axes, a vocab axis of 2 and of 1)."""
+    inp, kw, argnums, want = _head_case(cfg, layout, bias)
+    mesh = mesh_from_shape(*m)
+    spec = ShardingSpec(tuple(n for n in m[1] if n != "tp"), "tp", head_axes)
+
+    def fn(h, w, bb):
+        return sharded_grpo_loss_from_hidden(h, w, inp.ids, inp.mask, inp.advantages,
+                                             mesh=mesh, sharding=spec, config=cfg, impl="xla",
+                                             **{**kw, "bias": bb})
+
+    w = jax.device_put(inp.lm_head, NamedSharding(mesh, spec.on(mesh).head(layout)))
+    got = jax.jit(jax.value_and_grad(fn, argnums=argnums, has_aux=True))(
+        inp.hidden, w, kw["bias"])
+    assert got[1][1].sharding.spec == spec.on(mesh).head(layout)
+    _check(got, want)
+
+
+def test_fsdp_head_is_gathered_by_blocks():
+    """Compile-only, bf16, mesh fsdp 4 x tp 2, H = 1024, V = 32,768: with ``head_axes`` no
+    collective moves a quarter of a device's ``[H, V/2]`` shard (without them, the shard is
+    gathered whole and its gradient all-reduced whole), and the per-device plan is under a
+    third of the whole-shard one."""
+    cfg = GRPOLossConfig(beta=0.04)
+    b, t, h, v = 4, 512, 1024, 32768
+    inp = random_head_inputs(0, b, t, h, v, jnp.bfloat16, cfg)
+    mesh = mesh_from_shape((4, 2), ("fsdp", "tp"))
+    fsdp = ShardingSpec(("fsdp",), "tp", ("fsdp",))
+    placed = (jax.device_put(inp.hidden, NamedSharding(mesh, fsdp.rows(3))),
+              jax.device_put(inp.lm_head, NamedSharding(mesh, fsdp.head("hv"))))
+    plans = {}
+    for spec in (fsdp, fsdp.whole_head()):
+        def fn(hh, w, spec=spec):
+            return sharded_grpo_loss_from_hidden(
+                hh, w, inp.ids, inp.mask, inp.advantages, config=cfg, impl="xla", mesh=mesh,
+                sharding=spec, old_logps=inp.old_logps, ref_logps=inp.ref_logps)
+        step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))
+        compiled = step.lower(*placed).compile()
+        plans[spec.head_axes] = (compiled.memory_analysis().temp_size_in_bytes,
+                                 max(e for _, e in _collective_sizes(compiled)))
+    shard = h * v // 2
+    assert plans[()][1] >= shard  # the whole shard crosses devices without head axes
+    assert plans[("fsdp",)][1] < shard // 4, plans
+    assert plans[("fsdp",)][0] < plans[()][0] / 3, plans
+
+
 # --- layouts, collectives, errors ------------------------------------------------------------
 
 def _collective_sizes(compiled):
@@ -595,6 +653,13 @@ def test_divisibility_and_spec_errors_name_the_problem():
     with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
         sharded_grpo_loss(inp.logits, inp.ids, inp.mask, inp.advantages, mesh="dp",
                           sharding=spec, config=cfg)
+    spec_h = ShardingSpec(("dp",), "tp", ("dp",))
+    hin = random_head_inputs(0, 4, 4, 15, 64, jnp.float32, cfg)
+    with pytest.raises(ValueError, match=r"H=15 of hidden/lm_head is not divisible by the head "
+                                         r"axes \{'dp': 2\}"):
+        sharded_grpo_loss_from_hidden(hin.hidden, hin.lm_head, hin.ids, hin.mask,
+                                      hin.advantages, mesh=mesh, sharding=spec_h, config=cfg,
+                                      impl="xla")
     with pytest.raises(ValueError, match="logits must have rank 3"):
         sharded_grpo_loss(inp.logits[0], inp.ids, inp.mask, inp.advantages, mesh=mesh,
                           sharding=spec, config=cfg)
@@ -608,6 +673,9 @@ def test_sharding_spec_validation():
     with pytest.raises(ValueError, match="mesh axis names"):
         ShardingSpec((1,))
     assert ShardingSpec("dp").batch_axes == ("dp",)
+    with pytest.raises(ValueError, match="head_axes must be distinct batch axes"):
+        ShardingSpec(("dp",), "tp", ("fsdp",))
+    assert ShardingSpec(("dp", "fsdp"), None, "fsdp").head_axes == ("fsdp",)
     with pytest.raises(ValueError, match="needs 16 devices, only 8 present"):
         mesh_from_shape((4, 4), ("dp", "tp"))
 

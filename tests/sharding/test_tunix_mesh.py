@@ -22,8 +22,9 @@ from tests.integrations.tunix_models import (  # noqa: E402
     EOS, PAD, max_rel_err, tiny_model, train_example)
 
 VOCAB = 256  # divisible by the tp axis
-# The vocabulary over tp, and a mesh without one (tp = 1: the batch alone is split).
-MESHES = {"fsdp4xtp2": (4, 2), "fsdp8xtp1": (8, 1)}
+# The vocabulary over tp (a tied head), and a mesh without one (tp = 1: the batch alone is
+# split; an untied head). Both heads have H split over fsdp, as tunix places them.
+MESHES = {"fsdp4xtp2": ((4, 2), True), "fsdp8xtp1": ((8, 1), False)}
 TOL = 1e-5
 
 
@@ -86,17 +87,20 @@ def _step(loss_fn, graphdef, state, example, algo, mesh=None):
 
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
 def test_losses_and_log_probs_on_tunix_mesh_equal_one_device(mesh_name, tunix_sharding):
-    mesh = jax.make_mesh(MESHES[mesh_name], ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
-    model = tiny_model("qwen3", seed=11, tied=True, vocab=VOCAB)
+    shape, tied = MESHES[mesh_name]
+    mesh = jax.make_mesh(shape, ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    model = tiny_model("qwen3", seed=11, tied=tied, vocab=VOCAB)
     example = train_example(model, seed=12, batch=8, sampler=False, vocab=VOCAB)
     algo = _algo()
     graphdef, state = nnx.split(model)
     want, _ = _step(algo_core.grpo_loss_fn, graphdef, state, example, algo)
     g, placed = _partitioned(model, mesh)
+    head = _head(tied)
     with mesh:
-        where = ours.placement(nnx.merge(g, placed), 8, VOCAB)
-    tp = MESHES[mesh_name][1]
-    assert where is not None and where[1] == ShardingSpec(("fsdp",), "tp" if tp > 1 else None)
+        where = ours.placement(nnx.merge(g, placed), 8, VOCAB, head)
+    tp = shape[1]
+    assert where is not None and where[1] == ShardingSpec(("fsdp",), "tp" if tp > 1 else None,
+                                                          ("fsdp",))
     temps = {}
     for name, fn in (("grpo", algo_core.grpo_loss_fn), ("grpo_kernels", ours.logits_policy_loss),
                      ("grpo_kernels_fused", ours.fused_policy_loss)):
@@ -119,6 +123,12 @@ def test_losses_and_log_probs_on_tunix_mesh_equal_one_device(mesh_name, tunix_sh
     np.testing.assert_allclose(np.asarray(got), np.asarray(want_logps), rtol=TOL, atol=1e-6)
 
 
+def _head(tied: bool, hidden: int = 32) -> ours.Head:
+    """A head as :func:`placement` reads it (its layout and shape)."""
+    shape, layout = ((VOCAB, hidden), "vh") if tied else ((hidden, VOCAB), "hv")
+    return ours.Head(jnp.zeros(shape), layout, jnp.dtype(jnp.float32), None)
+
+
 def test_placement_leaves_out_what_does_not_divide(tunix_sharding):
     mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
     model = tiny_model("qwen3", seed=13, vocab=VOCAB)
@@ -127,3 +137,7 @@ def test_placement_leaves_out_what_does_not_divide(tunix_sharding):
         assert ours.placement(model, 8, 257)[1] == ShardingSpec(("fsdp",), None)
         assert ours.placement(model, 6, VOCAB)[1] == ShardingSpec((), "tp")
         assert ours.placement(model, 6, 257) is None
+        # H split over fsdp where tunix splits it and it divides; not where the batch is not
+        assert ours.placement(model, 8, VOCAB, _head(False))[1].head_axes == ("fsdp",)
+        assert ours.placement(model, 8, VOCAB, _head(True, 30))[1].head_axes == ()
+        assert ours.placement(model, 6, VOCAB, _head(True))[1].head_axes == ()

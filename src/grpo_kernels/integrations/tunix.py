@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.integrations.tunix_modules import (call_model, completion_hidden,
+from grpo_kernels.integrations.tunix_modules import (Head, call_model, completion_hidden,
                                                      completion_logits, head_blocker,
                                                      head_vocab)
 from grpo_kernels.objective import log_importance_ratio, token_terms, token_weights
@@ -265,7 +265,8 @@ def _mesh_axes(entry: Any, mesh: Any) -> tuple[str, ...]:
                  and mesh.shape[n] > 1)
 
 
-def placement(model: Any, batch: int, vocab: int) -> tuple[Any, ShardingSpec] | None:
+def placement(model: Any, batch: int, vocab: int,
+              head: Head | None = None) -> tuple[Any, ShardingSpec] | None:
     """``(mesh, ShardingSpec)`` for our sharded ops when ``model`` runs on a mesh, else None.
 
     The axes are the model's own (``model.config.shd_config``, tunix's ``ShardingConfig``):
@@ -273,7 +274,10 @@ def placement(model: Any, batch: int, vocab: int) -> tuple[Any, ShardingSpec] | 
     vocabulary over ``emb_vd``'s first (``tp``), on the mesh in context
     (:func:`context_mesh`). An axis whose size does not divide ``batch`` or ``vocab`` is left
     out (that dimension whole on each device); with neither left, None: the one-device op,
-    partitioned by XLA.
+    partitioned by XLA. Given the ``head``, the batch axes that also split its ``H`` where
+    tunix places it (``emb_vd``'s second entry for a tied table, ``emb_dv``'s first for an
+    ``lm_head``; ``fsdp``) become ``head_axes``: the xla head then gathers its weights block by
+    block instead of whole.
     """
     mesh = context_mesh()
     shd = getattr(getattr(model, "config", None), "shd_config", None)
@@ -287,7 +291,19 @@ def placement(model: Any, batch: int, vocab: int) -> tuple[Any, ShardingSpec] | 
         and vocab % mesh.shape[vocab_axes[0]] == 0 else None
     if not batch_axes and vocab_axis is None:
         return None
-    return mesh, ShardingSpec(batch_axes, vocab_axis)
+    return mesh, ShardingSpec(batch_axes, vocab_axis, _head_axes(shd, head, mesh, batch_axes))
+
+
+def _head_axes(shd: Any, head: Head | None, mesh: Any,
+               batch_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The batch axes over which tunix splits the head's ``H`` (see :func:`placement`), when
+    they divide it; else ``()``."""
+    if head is None:
+        return ()
+    entry = shd.emb_vd[1] if head.layout == "vh" else getattr(shd, "emb_dv", (None,))[0]
+    axes = tuple(a for a in _mesh_axes(entry, mesh) if a in batch_axes)
+    hidden = head.weights.shape[1 if head.layout == "vh" else 0]
+    return axes if axes and hidden % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
 
 def _check_logits_from(logits_from: str) -> None:
@@ -342,7 +358,7 @@ def fused_policy_loss(model: Any, train_example: Any, algo_config: Any, pad_id: 
     config = loss_config(algo_config, ex.ref_logps is not None)
     t = ex.ids.shape[1]
     hidden, head = completion_hidden(model, model_inputs(model, train_example, pad_id, eos_id), t)
-    where = placement(model, hidden.shape[0], head_vocab(head))
+    where = placement(model, hidden.shape[0], head_vocab(head), head)
     loss_fn = grpo_loss_from_hidden if where is None else functools.partial(
         sharded_grpo_loss_from_hidden, mesh=where[0], sharding=where[1])
     loss, metrics = loss_fn(
@@ -431,7 +447,7 @@ def _log_probs_from_hidden(impl: str, options: Any, tunix_fn: Callable) -> Calla
             model, token_inputs(model, prompt_tokens, completion_tokens, pad_id, eos_id), t)
         # tunix divides the logits by the temperature unless it is 0 or 1
         tau = 1.0 if temperature in (0, 0.0, 1, 1.0) else temperature
-        where = placement(model, hidden.shape[0], head_vocab(head))
+        where = placement(model, hidden.shape[0], head_vocab(head), head)
         logps_fn = token_logps_from_hidden if where is None else functools.partial(
             sharded_token_logps_from_hidden, mesh=where[0], sharding=where[1])
         logps = logps_fn(hidden, head.weights, completion_tokens, lm_head_layout=head.layout,

@@ -23,7 +23,8 @@ from grpo_kernels.ops.logits_loss import api as logits_api
 from grpo_kernels.ops.logits_loss import pallas as logits_pallas
 from grpo_kernels.ops.logps.api import check_logits, check_temperature, check_token_ids
 from grpo_kernels.ops.core.validate import check_softcap, resolve_impl
-from grpo_kernels.sharding.loss import OpKind, head_kind, logits_kind, sequence_split, statistics
+from grpo_kernels.sharding.loss import (OpKind, head_kind, head_spec, logits_kind, sequence_split,
+                                        statistics)
 from grpo_kernels.sharding.spec import ShardingSpec, resolve
 
 Array = jax.Array
@@ -86,7 +87,8 @@ def sharded_token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *
     ``sharding.batch_axes`` and the head's ``V`` over ``sharding.vocab_axis``.
 
     Layouts inside as :func:`grpo_kernels.sharding.sharded_grpo_loss_from_hidden` (the xla head
-    sequence-parallel over the vocab axis when ``T`` divides by it); results
+    sequence-parallel over the vocab axis when ``T`` divides by it, or, with
+    ``sharding.head_axes``, gathering the head block by block); results
     ``P(batch_axes, None)``. No device holds ``[B, T, V]`` or ``[T, V]``; the collectives are
     ``[B/b, T]``-sized (and, sequence-parallel, each chunk's hidden rows).
 
@@ -105,7 +107,8 @@ def sharded_token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *
     b, t, _ = hidden.shape
     vocab = fmt.vocab(lm_head)
     tau = check_temperature(temperature)
-    spec = resolve(sharding, mesh, b, vocab, "hidden/lm_head")
+    spec = head_spec(resolve(sharding, mesh, b, vocab, "hidden/lm_head"), mesh, impl,
+                     hidden.shape[-1])
     ids = check_token_ids(ids, b, t, vocab, check_ids)
     seq = sequence_split(spec, mesh, t, impl, options)
     primal_specs = (spec.rows(3) if seq is None else spec.steps(), spec.head(fmt.layout),

@@ -14,7 +14,9 @@ the batch axes, the usual data-parallel reduction) and ``dhidden`` is summed ove
 axis, since every shard contributes ``delta_k W_k^T`` (the XLA head, sequence-parallel when
 ``T`` allows, sums it chunk by chunk into each device's own steps). The XLA head plans its
 chunk from the *whole* vocabulary, so a device's ``[c, V/k]`` logits and ``[H, V/k]`` float32 ``dW``
-accumulator shrink by ``k``.
+accumulator shrink by ``k``. With ``ShardingSpec.head_axes`` (weights split over ``H`` by FSDP
+axes) the XLA head instead sweeps vocabulary blocks, gathering each over those axes and
+reduce-scattering its ``dW`` (:func:`grpo_kernels.ops.lm_head_loss.xla.gathered_pieces`).
 """
 
 from __future__ import annotations
@@ -87,15 +89,15 @@ def _on_mesh(options: Any, default: Any) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def logits_kind(softcap: float | None) -> OpKind:
-    """The logits op (its logits soft-capped with ``softcap``; the Pallas kernels take none),
-    one object per cap: ``logits_kind(None)`` is :data:`LOGITS`."""
+    """The logits op (its logits soft-capped with ``softcap``), one object per cap:
+    ``logits_kind(None)`` is :data:`LOGITS`."""
     def pieces(primals, impl, options, tau, spec, vocab) -> Pieces:
         del spec, vocab
         (z,) = primals
         if impl == "xla":
             return logits_xla.pieces(z.shape, options, tau, softcap)
         opts = _on_mesh(options, logits_pallas.PallasOptions())
-        return logits_pallas.pieces(z.shape, z.dtype, opts, tau)
+        return logits_pallas.pieces(z.shape, z.dtype, opts, tau, softcap)
 
     return OpKind(local_vocab=lambda p: p[0].shape[-1],
                   reference_logits=lambda p: soft_cap(p[0].astype(jnp.float32), softcap),
@@ -108,6 +110,9 @@ LOGITS = logits_kind(None)
 def head_kind(fmt: HeadFormat, seq: tuple[str, int] | None = None) -> OpKind:
     def pieces(primals, impl, options, tau, spec, vocab) -> Pieces:
         hidden, w, _ = primals
+        if impl == "xla" and spec.head_axes:
+            return head_xla.gathered_pieces(hidden, fmt, options, tau, vocab, spec.vocab_sum,
+                                            spec.head_axes)
         if impl == "xla":
             return head_xla.pieces(hidden, w, fmt, options, tau, vocab, spec.vocab_sum, seq)
         opts = _on_mesh(options, head_pallas.LmHeadPallasOptions())
@@ -135,8 +140,9 @@ def sequence_split(spec: ShardingSpec, mesh: Mesh, time: int, impl: str,
     """``(vocab_axis, k)`` when the XLA head runs sequence-parallel over its vocab axis
     (``hidden`` split over ``T`` there, :func:`grpo_kernels.ops.lm_head_loss.xla.pieces`):
     with a vocab axis, ``T`` divisible by it and ``dW`` summed by tokens; else ``None``
-    (``hidden`` whole on every device of the vocab axis)."""
-    if impl != "xla" or spec.vocab_axis is None:
+    (``hidden`` whole on every device of the vocab axis; always with ``head_axes``, whose
+    sweep is by vocabulary blocks)."""
+    if impl != "xla" or spec.vocab_axis is None or spec.head_axes:
         return None
     k = mesh.shape[spec.vocab_axis]
     by_vocab = options is not None and getattr(options, "dweight", "tokens") == "vocab"
@@ -230,6 +236,15 @@ def _run(op: OpKind, primals: Primals, primal_specs: tuple, batch: TokenBatch, *
     return fn(*to_layout((primals, batch), (primal_specs, batch_specs), mesh))
 
 
+def head_spec(spec: ShardingSpec, mesh: Mesh, impl: str, hidden: int) -> ShardingSpec:
+    """``spec`` for a hidden-state op: its ``head_axes`` kept only for the xla head (the
+    others take the head with ``H`` whole), and then checked against ``hidden``."""
+    if impl != "xla":
+        return spec.whole_head()
+    spec.check_head(mesh, hidden, "hidden/lm_head")
+    return spec
+
+
 def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array, *,
                       mesh: Mesh, sharding: ShardingSpec, config: GRPOLossConfig,
                       old_logps: Array | None = None, ref_logps: Array | None = None,
@@ -296,10 +311,12 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
     for the xla head when ``T`` divides by the vocab axis ``P(batch_axes, vocab_axis, None)``
     (sequence-parallel: each chunk's rows are gathered and its ``dhidden`` scattered back, so
     no device holds ``[T, H]``; :func:`sequence_split`); ``lm_head`` ``P(None, vocab_axis)``
-    for ``"hv"`` or ``P(vocab_axis, None)`` for ``"vh"``; ``bias`` ``P(vocab_axis)``; the rest
-    as :func:`sharded_grpo_loss`. Gradients come back in the inputs' layouts: ``dlm_head``
-    sharded on ``V`` (summed over the batch axes), ``dhidden`` on ``B`` (and ``T`` when
-    sequence-parallel; summed over the vocab axis).
+    for ``"hv"`` or ``P(vocab_axis, None)`` for ``"vh"``, and for the xla head with
+    ``sharding.head_axes`` its ``H`` over those axes too (FSDP weights: gathered one block of
+    vocabulary columns at a time, never whole); ``bias`` ``P(vocab_axis)``; the rest as
+    :func:`sharded_grpo_loss`. Gradients come back in the inputs' layouts: ``dlm_head``
+    sharded on ``V`` (summed over the batch axes; with ``head_axes`` on ``H`` too),
+    ``dhidden`` on ``B`` (and ``T`` when sequence-parallel; summed over the vocab axis).
 
     The other arguments are those of :func:`grpo_kernels.grpo_loss_from_hidden`.
 
@@ -308,15 +325,16 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
       sharding: Which mesh axes split ``B`` and ``V``.
 
     Raises:
-      ValueError: bad arguments, a mesh without the named axes, or ``B``/``V`` not divisible
-        by their axes (nothing is padded).
+      ValueError: bad arguments, a mesh without the named axes, or ``B``/``V`` (or, with
+        ``head_axes``, ``H``) not divisible by their axes (nothing is padded).
     """
     impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
     fmt = head_api.validate_call(hidden, lm_head, ids, mask, advantages, config, old_logps,
                                  ref_logps, lm_head_layout, bias, logits_dtype,
                                  sampler_weights, sampler_logps, logit_softcap, impl)
     vocab = fmt.vocab(lm_head)
-    spec = resolve(sharding, mesh, hidden.shape[0], vocab, "hidden/lm_head")
+    spec = head_spec(resolve(sharding, mesh, hidden.shape[0], vocab, "hidden/lm_head"), mesh,
+                     impl, hidden.shape[-1])
     if check_ids:
         check_ids_in_range(ids, mask, vocab)
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,

@@ -29,13 +29,21 @@ class ShardingSpec:
         e.g. ``("dp", "fsdp")``); a single name or an empty tuple is allowed.
       vocab_axis: Mesh axis that splits the vocabulary ``V`` (the tensor-parallel axis of the
         LM head), or ``None`` to keep every row whole on each device.
+      head_axes: Batch axes that also split the LM head's hidden dimension ``H``: weights
+        sharded FSDP-style, as tunix places them (``[H, V]`` as ``P("fsdp", "tp")``). The xla
+        head then takes its weights as they are and gathers them one block of vocabulary
+        columns at a time, reduce-scattering each block's gradient back, so no device holds
+        its whole ``[H, V / k]`` shard or that shard's float32 gradient
+        (:func:`grpo_kernels.ops.lm_head_loss.xla.gathered_pieces`). The reference and pallas
+        implementations, and the logits ops, ignore it (the head is gathered before them).
 
-    Mesh axes named in neither are replicated over: every device along them computes the same
+    Mesh axes named in none are replicated over: every device along them computes the same
     thing.
     """
 
     batch_axes: tuple[str, ...] = ()
     vocab_axis: str | None = None
+    head_axes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         axes = _names(self.batch_axes)
@@ -52,6 +60,11 @@ class ShardingSpec:
             if self.vocab_axis in axes:
                 raise ValueError(f"ShardingSpec.vocab_axis {self.vocab_axis!r} is also one of "
                                  f"batch_axes {axes}; an axis splits one dimension")
+        head = _names(self.head_axes)
+        if len(set(head)) != len(head) or not set(head) <= set(axes):
+            raise ValueError(f"ShardingSpec.head_axes must be distinct batch axes {axes} (the "
+                             f"FSDP axes that split the head's H), got {self.head_axes!r}")
+        object.__setattr__(self, "head_axes", head)
 
     # --- checks against a mesh and shapes -------------------------------------------------
 
@@ -69,7 +82,21 @@ class ShardingSpec:
         """This spec without the axes of size 1 in ``mesh``: splitting into one piece is no
         split, and leaving them out spares collectives (and their buffers) over one device."""
         return ShardingSpec(tuple(a for a in self.batch_axes if mesh.shape[a] > 1),
-                            self.vocab_axis if self.vocab_shards(mesh) > 1 else None)
+                            self.vocab_axis if self.vocab_shards(mesh) > 1 else None,
+                            tuple(a for a in self.head_axes if mesh.shape[a] > 1))
+
+    def whole_head(self) -> "ShardingSpec":
+        """This spec with the head's ``H`` whole on every device (no ``head_axes``)."""
+        return dataclasses.replace(self, head_axes=())
+
+    def check_head(self, mesh: Mesh, hidden: int, what: str) -> None:
+        """Raises ValueError when the head's ``H`` does not split evenly over ``head_axes``."""
+        k = math.prod(mesh.shape[a] for a in self.head_axes)
+        if hidden % k:
+            sizes = {a: mesh.shape[a] for a in self.head_axes}
+            raise ValueError(f"hidden size H={hidden} of {what} is not divisible by the head "
+                             f"axes {sizes} (product {k}); leave ShardingSpec.head_axes empty "
+                             f"to gather the head whole")
 
     def batch_shards(self, mesh: Mesh) -> int:
         """Number of pieces ``B`` is cut into (product of the batch axes' sizes)."""
@@ -121,10 +148,12 @@ class ShardingSpec:
 
     def head(self, layout: str) -> PartitionSpec:
         """LM-head weights ``[H, V]`` (``"hv"``) or ``[V, H]`` (``"vh"``): ``V`` over the vocab
-        axis, replicated over the batch axes."""
+        axis, ``H`` over the head axes (replicated over the other batch axes)."""
+        h = None if not self.head_axes else (
+            self.head_axes if len(self.head_axes) > 1 else self.head_axes[0])
         if layout == "hv":
-            return PartitionSpec(None, self.vocab_axis)
-        return PartitionSpec(self.vocab_axis, None)
+            return PartitionSpec(h, self.vocab_axis)
+        return PartitionSpec(self.vocab_axis, h)
 
     def vector(self) -> PartitionSpec:
         """``[V]`` bias."""

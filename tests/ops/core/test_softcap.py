@@ -1,6 +1,7 @@
 """``logit_softcap`` (Gemma 2's final-logit cap, :math:`c \\tanh(z / c)` before the temperature)
 in both loss ops and both log-prob ops: the float64 oracle of the capped logits checks the
-reference; the reference checks xla, values and gradients; the Pallas kernels refuse it."""
+reference; the reference checks xla and every Pallas kernel (TPU two-kernel and one-pass, GPU
+rows, aligned and one-pass, the TPU head), values and gradients, at a ragged V = 300."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,10 @@ import pytest
 from grpo_kernels import (
     GRPOLossConfig,
     LmHeadBlockSizes,
+    LmHeadPallasBlockSizes,
+    LmHeadPallasOptions,
+    PallasBlockSizes,
+    PallasOptions,
     XlaBlockSizes,
     grpo_loss,
     grpo_loss_from_hidden,
@@ -25,6 +30,23 @@ CAP = 3.0  # the logits have a standard deviation of about 2 here: the cap bends
 CONFIGS = [GRPOLossConfig(beta=0.04, temperature=0.7, max_completion_length=9),
            GRPOLossConfig(loss_type="dapo", importance_sampling_level="sequence",
                           entropy_coef=0.02, max_completion_length=9)]
+
+
+TPU = PallasBlockSizes(block_rows=16, block_vocab=128)
+# The logits loss's fast implementations: xla, then each Pallas kernel; the one-pass kernels
+# meet the token-level config, the two-kernel ones the sequence-level config with an entropy
+# bonus (the GPU rows layout meets both).
+LOGITS_IMPLS = {
+    "xla": ("xla", XlaBlockSizes(chunk_tokens=5, block_vocab=128)),
+    "pallas-tpu": ("pallas", PallasOptions(kernel="tpu", blocks=TPU, one_pass=False)),
+    "pallas-tpu-one-pass": ("pallas", PallasOptions(kernel="tpu", blocks=TPU, one_pass=True)),
+    **{f"pallas-gpu-{layout}": ("pallas", PallasOptions(
+        kernel="gpu", gpu_layout=layout, blocks=PallasBlockSizes(block_vocab=128)))
+       for layout in ("rows", "aligned")},
+    "pallas-gpu-one-pass": ("pallas", PallasOptions(
+        kernel="gpu", one_pass=True, blocks=PallasBlockSizes(block_vocab=128))),
+}
+HEAD_PALLAS = LmHeadPallasOptions(blocks=LmHeadPallasBlockSizes(block_rows=16, block_vocab=128))
 
 
 def _capped64(z):
@@ -45,9 +67,14 @@ def test_logits_loss_with_a_cap(cfg):
 
     ref_loss, ref_grad = run("reference")
     np.testing.assert_allclose(float(ref_loss), want, rtol=1e-5, atol=1e-6)
-    loss, grad = run("xla", XlaBlockSizes(chunk_tokens=5, block_vocab=128))
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-6, atol=2e-6)
-    assert rel_err(grad, ref_grad) <= 2e-5
+    token = cfg.importance_sampling_level == "token"
+    for name, (impl, options) in LOGITS_IMPLS.items():
+        if name not in ("xla", "pallas-gpu-rows") and ("one-pass" in name) != token:
+            continue
+        loss, grad = run(impl, options)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-6, atol=2e-6,
+                                   err_msg=name)
+        assert rel_err(grad, ref_grad) <= 2e-5, name
     uncapped = grpo_loss(inp.logits, inp.ids, inp.mask, inp.advantages, config=cfg,
                          impl="reference", **inp.kwargs())[0]
     assert abs(float(uncapped) - float(ref_loss)) > 1e-4  # the cap is active
@@ -69,10 +96,15 @@ def test_fused_loss_with_a_cap(cfg, dweight):
     want, _ = oracle(_capped64(z), inp.ids, inp.mask, inp.advantages, cfg,
                      old=inp.old_logps, ref=inp.ref_logps)
     np.testing.assert_allclose(float(ref_loss), want, rtol=1e-5, atol=1e-6)
-    loss, grads = run("xla", LmHeadBlockSizes(chunk_tokens=8, dweight=dweight))
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-6, atol=2e-6)
-    for g, g_r in zip(grads, ref_grads):
-        assert rel_err(g, g_r) <= 2e-5
+    fast = [("xla", LmHeadBlockSizes(chunk_tokens=8, dweight=dweight))]
+    if dweight == "tokens" and cfg.entropy_coef:  # the TPU head kernels form dW one way
+        fast.append(("pallas", HEAD_PALLAS))
+    for impl, options in fast:
+        loss, grads = run(impl, options)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-6, atol=2e-6,
+                                   err_msg=impl)
+        for g, g_r in zip(grads, ref_grads):
+            assert rel_err(g, g_r) <= 2e-5, impl
 
 
 def test_log_prob_ops_with_a_cap():
@@ -85,18 +117,21 @@ def test_log_prob_ops_with_a_cap():
     s = s - s.max(-1, keepdims=True)
     want = np.take_along_axis(s - np.log(np.exp(s).sum(-1, keepdims=True)),
                               np.asarray(ids)[..., None], -1)[..., 0]
-    for impl in ("reference", "xla"):
+    head_options = {"xla": LmHeadBlockSizes(chunk_tokens=8), "pallas": HEAD_PALLAS}
+    logits_options = {"pallas": PallasOptions(blocks=TPU)}
+    for impl in ("reference", "xla", "pallas"):
         np.testing.assert_allclose(as64(token_logps(z, ids, temperature=0.8, impl=impl,
-                                                    logit_softcap=CAP)), want, atol=2e-5)
+                                                    options=logits_options.get(impl),
+                                                    logit_softcap=CAP)), want, atol=2e-5,
+                                   err_msg=impl)
         got = token_logps_from_hidden(h, w, ids, temperature=0.8, impl=impl, logit_softcap=CAP,
-                                      options=LmHeadBlockSizes(chunk_tokens=8)
-                                      if impl == "xla" else None)
-        np.testing.assert_allclose(as64(got), want, atol=2e-5)
-    g = jax.grad(lambda h: jnp.sum(token_logps_from_hidden(h, w, ids, impl="xla",
-                                                           logit_softcap=CAP)))(h)
+                                      options=head_options.get(impl))
+        np.testing.assert_allclose(as64(got), want, atol=2e-5, err_msg=impl)
     g_r = jax.grad(lambda h: jnp.sum(token_logps_from_hidden(h, w, ids, impl="reference",
                                                              logit_softcap=CAP)))(h)
-    assert rel_err(g, g_r) <= 2e-5
+    g = jax.grad(lambda h: jnp.sum(token_logps_from_hidden(
+        h, w, ids, impl="xla", options=head_options["xla"], logit_softcap=CAP)))(h)
+    assert rel_err(g, g_r) <= 2e-5  # the Pallas head's gradients: test_fused_loss_with_a_cap
 
 
 @pytest.mark.parametrize("value, message", [
@@ -111,13 +146,3 @@ def test_bad_caps_are_named(value, message):
         token_logps(z, jnp.zeros((1, 2), jnp.int32), logit_softcap=value)
     assert message in str(e.value)
 
-
-def test_pallas_refuses_a_cap():
-    cfg = CONFIGS[0]
-    inp = random_inputs(3, 1, 4, 64, jnp.float32, cfg)
-    with pytest.raises(ValueError, match="logit_softcap is not supported by impl='pallas'"):
-        grpo_loss(inp.logits, inp.ids, inp.mask, inp.advantages, config=cfg, impl="pallas",
-                  logit_softcap=CAP, **inp.kwargs())
-    with pytest.raises(ValueError, match="logit_softcap is not supported by impl='pallas'"):
-        token_logps_from_hidden(jnp.ones((1, 4, 8)), jnp.ones((8, 64)),
-                                jnp.zeros((1, 4), jnp.int32), impl="pallas", logit_softcap=CAP)

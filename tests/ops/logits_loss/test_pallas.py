@@ -270,7 +270,8 @@ def test_options_must_fit_the_impl():
                   options=PallasOptions())
 
 
-def _export_value_and_grad(b, t, v, dtype, platform, kernel, level="token", **options):
+def _export_value_and_grad(b, t, v, dtype, platform, kernel, level="token", softcap=None,
+                           **options):
     cfg = GRPOLossConfig(beta=0.04, importance_sampling_level=level)
     spec = jax.ShapeDtypeStruct
     args = (spec((b, t, v), dtype), spec((b, t), jnp.int32), spec((b, t), jnp.float32),
@@ -278,7 +279,7 @@ def _export_value_and_grad(b, t, v, dtype, platform, kernel, level="token", **op
 
     def f(z, ids, mask, adv, old, ref):
         return grpo_loss(z, ids, mask, adv, config=cfg, impl="pallas", old_logps=old,
-                         ref_logps=ref,
+                         ref_logps=ref, logit_softcap=softcap,
                          options=PallasOptions(kernel=kernel, interpret=False, **options))
 
     step = jax.jit(jax.value_and_grad(f, has_aux=True))
@@ -289,11 +290,13 @@ def _export_value_and_grad(b, t, v, dtype, platform, kernel, level="token", **op
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("b,level", [(1, "token"), (4, "token"), (8, "token"), (1, "sequence")])
-def test_tpu_kernels_lower_at_the_real_shapes(b, level, dtype):
+@pytest.mark.parametrize("b,level,cap", [(1, "token", None), (4, "token", None),
+                                         (8, "token", 30.0), (1, "sequence", 30.0)])
+def test_tpu_kernels_lower_at_the_real_shapes(b, level, cap, dtype):
     """value_and_grad at B x 2048 x 151,643 lowers for TPU: to the one-pass Mosaic kernel at
-    token level, to the statistics and gradient kernels at sequence level."""
-    exported = _export_value_and_grad(b, 2048, 151_643, dtype, "tpu", "tpu", level)
+    token level, to the statistics and gradient kernels at sequence level; with a soft cap
+    too (its tanh inside the kernels)."""
+    exported = _export_value_and_grad(b, 2048, 151_643, dtype, "tpu", "tpu", level, cap)
     text = exported.mlir_module()
     if level == "token":
         assert text.count("tpu_custom_call") == 1 and "grpo_one_pass" in text

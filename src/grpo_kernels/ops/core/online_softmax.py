@@ -41,6 +41,19 @@ def soft_cap_grad(capped: Array, cap: float | None) -> Array | float:
     return 1.0 if cap is None else 1.0 - jnp.square(capped / cap)
 
 
+def cap_logits(x: Array, cap: float | None, mask: Array | None = None) -> Array:
+    """``x`` in float32, soft-capped by ``cap`` (:func:`soft_cap`); where ``mask`` is false,
+    ``-inf`` (a kernel's masked loads read ``-inf``, which the cap would map to ``-cap``)."""
+    x = soft_cap(x.astype(jnp.float32), cap)
+    return x if cap is None or mask is None else jnp.where(mask, x, -jnp.inf)
+
+
+def with_cap_grad(d: Array, capped: Array, cap: float | None) -> Array:
+    """A gradient ``d`` w.r.t. the capped logits ``capped`` made one w.r.t. the uncapped
+    logits (times :func:`soft_cap_grad`); ``d`` itself, untouched, without a cap."""
+    return d if cap is None else d * soft_cap_grad(capped, cap)
+
+
 def sweep(n: int, block: int, body: Callable[[Any, int, Any], Any], carry: Any, *,
           start: Callable[[Any], Any] | None = None, like: tuple[Any, ...] = ()) -> Any:
     """Runs ``body(start, size, carry)`` over ``[0, n)`` in blocks that never overlap.

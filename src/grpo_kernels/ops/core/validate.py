@@ -96,20 +96,15 @@ def validate_token_inputs(
                          f"(sampler_correction={config.sampler_correction!r})")
 
 
-PALLAS_SOFTCAP_ERROR = ("logit_softcap is not supported by impl='pallas' (its kernels take "
-                        "uncapped logits); use impl='xla' or 'reference'")
-
-
 def check_softcap(value: Any, impl: str | None = None) -> float | None:
-    """``logit_softcap`` as a float (or None); ValueError unless None or a finite number > 0,
-    and for ``impl="pallas"``, whose kernels do not take it."""
+    """``logit_softcap`` as a float (or None); ValueError unless None or a finite number > 0.
+    Every implementation takes it (``impl`` is not consulted)."""
+    del impl
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not np.isfinite(value) or value <= 0:
         raise ValueError(f"logit_softcap must be None or a finite number > 0, got {value!r}")
-    if impl == "pallas":
-        raise ValueError(PALLAS_SOFTCAP_ERROR)
     return float(value)
 
 

@@ -21,6 +21,10 @@ array:
   The backward thus recomputes the logits twice: five matmuls of the logits' size in all, the
   price of keeping every accumulator in VMEM without atomics (docs/lm_head.md).
 
+With a soft cap (Gemma 2's final-logit cap, ``HeadFormat.softcap``) every tile's logits
+become ``c tanh(z / c)`` after the cast and before ``1/tau``, and ``delta`` gains the cap's
+derivative ``1 - tanh^2(z / c)`` (w.r.t. the uncapped logits), formed in the same tile.
+
 Ragged shapes: rows are padded to a multiple of ``tm`` (a copy of ``h``, ``O(N H)``); the
 vocabulary is not padded: the last vocabulary tile overhangs ``V`` and its columns ``>= V`` are
 masked in-kernel (logits to ``-inf``, gradient and weight columns to 0), so no copy of ``W`` is
@@ -42,9 +46,9 @@ from grpo_kernels.compat import out_struct
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import common_dtype
-from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, softmax_grad
+from grpo_kernels.ops.core.online_softmax import (block_stats, cap_logits, finish, merge_stats,
+                                                  softmax_grad, with_cap_grad)
 from grpo_kernels.ops.core.tpu import row_major_by_default
-from grpo_kernels.ops.core.validate import PALLAS_SOFTCAP_ERROR
 from grpo_kernels.ops.core.vjp import loss_from_pieces
 from grpo_kernels.ops.lm_head_loss.head import HeadFormat, delta_dtype
 from grpo_kernels.ops.lm_head_loss.head import matmul as _dot
@@ -74,17 +78,18 @@ def _matmul_hw(h: Array, w: Array, layout: str) -> Array:
     return _dot(h, w, ((1,), (0,)) if layout == "hv" else ((1,), (1,)))
 
 
-def _finish_logits(z, b_ref, col0, *, vocab, logits_dtype, tau):
-    """``s = cast(z + b) / tau`` of one ``[tm, tv]`` float32 product tile starting at column
-    ``col0``; with the tile's column indices and the mask of the columns inside ``V``."""
+def _finish_logits(z, b_ref, col0, *, vocab, logits_dtype, tau, cap):
+    """``s = c(cast(z + b)) / tau`` of one ``[tm, tv]`` float32 product tile starting at column
+    ``col0`` (``c``: the soft cap, if any); with the tile's column indices and the mask of the
+    columns inside ``V``."""
     if b_ref is not None:
         z = z + b_ref[...].astype(_F32)
-    s = z.astype(logits_dtype).astype(_F32) / tau
+    s = cap_logits(z.astype(logits_dtype), cap) / tau
     cols = col0 + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
     return s, cols, cols < vocab
 
 
-def _stats_kernel(*refs, vocab, tv, nk, layout, logits_dtype, tau, has_bias):
+def _stats_kernel(*refs, vocab, tv, nk, layout, logits_dtype, tau, cap, has_bias):
     h_ref, w_ref = refs[:2]
     b_ref = refs[2] if has_bias else None
     ids_ref, logp_ref, lse_ref, ent_ref, acc, m_sc, s_sc, q_sc, c_sc = refs[2 + has_bias:]
@@ -107,7 +112,7 @@ def _stats_kernel(*refs, vocab, tv, nk, layout, logits_dtype, tau, has_bias):
     @pl.when(k == nk - 1)
     def _():
         s, cols, valid = _finish_logits(acc[...], b_ref, j * tv, vocab=vocab,
-                                        logits_dtype=logits_dtype, tau=tau)
+                                        logits_dtype=logits_dtype, tau=tau, cap=cap)
         s = jnp.where(valid, s, -jnp.inf)
         c_sc[...] += jnp.sum(jnp.where(cols == ids_ref[...], s, 0.0), axis=1, keepdims=True)
         m, tot, q = merge_stats((m_sc[...], s_sc[...], q_sc[...]),
@@ -129,8 +134,10 @@ def _w_spec(tiles: Tiles, hidden: int, layout: str, index) -> pl.BlockSpec:
 
 def head_statistics(h: Array, w: Array, bias: Array | None, ids: Array, *, layout: str,
                     logits_dtype: Any, temperature: float, tiles: Tiles,
-                    interpret: bool = False) -> tuple[Array, Array, Array]:
-    """``(logp, lse, entropy)``, ``[N]`` float32 each, for ``h [N, H]`` (``N`` a multiple of tm)."""
+                    interpret: bool = False,
+                    softcap: float | None = None) -> tuple[Array, Array, Array]:
+    """``(logp, lse, entropy)``, ``[N]`` float32 each, for ``h [N, H]`` (``N`` a multiple of tm),
+    the logits soft-capped by ``softcap`` (if any) before the temperature."""
     n, hidden = h.shape
     vocab = w.shape[1] if layout == "hv" else w.shape[0]
     tm, tv, tk = tiles.rows, tiles.vocab, tiles.hidden
@@ -146,7 +153,7 @@ def head_statistics(h: Array, w: Array, bias: Array | None, ids: Array, *, layou
     in_specs.append(row)
     args.append(ids.reshape(n, 1))
     kernel = functools.partial(_stats_kernel, vocab=vocab, tv=tv, nk=nk, layout=layout,
-                               logits_dtype=logits_dtype, tau=temperature,
+                               logits_dtype=logits_dtype, tau=temperature, cap=softcap,
                                has_bias=bias is not None)
     out = out_struct((n, 1), _F32, *args)
     logp, lse, ent = pl.pallas_call(
@@ -160,7 +167,7 @@ def head_statistics(h: Array, w: Array, bias: Array | None, ids: Array, *, layou
     return logp[:, 0], lse[:, 0], ent[:, 0]
 
 
-def _delta(h, w_ref, b_ref, row_refs, col0, *, vocab, layout, logits_dtype, tau):
+def _delta(h, w_ref, b_ref, row_refs, col0, *, vocab, layout, logits_dtype, tau, cap):
     """``(delta, w)`` of one tile: the logits gradient (0 past V, in :func:`delta_dtype`) and
     the W tile with its columns past V zeroed (they hold garbage: the tile overhangs the
     array). ``row_refs``: ids, lse, coef and, with an entropy term, its factor and the
@@ -168,8 +175,9 @@ def _delta(h, w_ref, b_ref, row_refs, col0, *, vocab, layout, logits_dtype, tau)
     ids_ref, lse_ref, coef_ref = row_refs[:3]
     hcoef, ent = (row_refs[3][...], row_refs[4][...]) if len(row_refs) == 5 else (None, None)
     s, cols, valid = _finish_logits(_matmul_hw(h, w_ref[...], layout), b_ref, col0, vocab=vocab,
-                                    logits_dtype=logits_dtype, tau=tau)
+                                    logits_dtype=logits_dtype, tau=tau, cap=cap)
     delta = softmax_grad(s - lse_ref[...], cols == ids_ref[...], coef_ref[...], hcoef, ent)
+    delta = with_cap_grad(delta, s * tau, cap)  # w.r.t. the uncapped logits
     delta = jnp.where(valid, delta, 0.0).astype(delta_dtype(logits_dtype, w_ref.dtype))
     w = w_ref[...]
     wcols = col0 + jax.lax.broadcasted_iota(jnp.int32, w.shape, 1 if layout == "hv" else 0)
@@ -177,7 +185,7 @@ def _delta(h, w_ref, b_ref, row_refs, col0, *, vocab, layout, logits_dtype, tau)
     return delta, w
 
 
-def _dh_kernel(*refs, vocab, tv, layout, logits_dtype, tau, has_bias, n_rows):
+def _dh_kernel(*refs, vocab, tv, layout, logits_dtype, tau, cap, has_bias, n_rows):
     h_ref, w_ref = refs[:2]
     b_ref = refs[2] if has_bias else None
     row_refs = refs[2 + has_bias:2 + has_bias + n_rows]
@@ -190,7 +198,7 @@ def _dh_kernel(*refs, vocab, tv, layout, logits_dtype, tau, has_bias, n_rows):
 
     h = h_ref[...]
     delta, w = _delta(h, w_ref, b_ref, row_refs, j * tv, vocab=vocab,
-                      layout=layout, logits_dtype=logits_dtype, tau=tau)
+                      layout=layout, logits_dtype=logits_dtype, tau=tau, cap=cap)
     acc[...] += _dot(delta, w, ((1,), (1,)) if layout == "hv" else ((1,), (0,)))
 
     @pl.when(j == pl.num_programs(1) - 1)
@@ -198,7 +206,7 @@ def _dh_kernel(*refs, vocab, tv, layout, logits_dtype, tau, has_bias, n_rows):
         dh_ref[...] = acc[...].astype(dh_ref.dtype)
 
 
-def _dw_kernel(*refs, vocab, tv, layout, logits_dtype, tau, has_bias, n_rows):
+def _dw_kernel(*refs, vocab, tv, layout, logits_dtype, tau, cap, has_bias, n_rows):
     h_ref, w_ref = refs[:2]
     b_ref = refs[2] if has_bias else None
     rest = refs[2 + has_bias:]
@@ -214,7 +222,7 @@ def _dw_kernel(*refs, vocab, tv, layout, logits_dtype, tau, has_bias, n_rows):
 
     h = h_ref[...]
     delta, _ = _delta(h, w_ref, b_ref, row_refs, j * tv, vocab=vocab,
-                      layout=layout, logits_dtype=logits_dtype, tau=tau)
+                      layout=layout, logits_dtype=logits_dtype, tau=tau, cap=cap)
     if layout == "hv":
         acc[...] += _dot(h, delta, ((0,), (0,)))
     else:
@@ -232,9 +240,11 @@ def _dw_kernel(*refs, vocab, tv, layout, logits_dtype, tau, has_bias, n_rows):
 def head_gradients(h: Array, w: Array, bias: Array | None, ids: Array, lse: Array, coef: Array,
                    *, layout: str, logits_dtype: Any, temperature: float, tiles: Tiles,
                    interpret: bool = False, hcoef: Array | None = None,
-                   entropy: Array | None = None) -> tuple[Array, Array, Array | None]:
+                   entropy: Array | None = None,
+                   softcap: float | None = None) -> tuple[Array, Array, Array | None]:
     """``(dh, dW, db)`` for per-row factors ``coef = g * cotangent / tau`` and, with an entropy
-    term, ``hcoef = h * cotangent / tau`` and the rows' ``entropy`` (``N`` a multiple of tm)."""
+    term, ``hcoef = h * cotangent / tau`` and the rows' ``entropy`` (``N`` a multiple of tm);
+    ``softcap`` as :func:`head_statistics`."""
     n, hidden = h.shape
     vocab = w.shape[1] if layout == "hv" else w.shape[0]
     tm, tv = tiles.rows, tiles.vocab
@@ -244,7 +254,7 @@ def head_gradients(h: Array, w: Array, bias: Array | None, ids: Array, lse: Arra
     if hcoef is not None:
         per_row += [hcoef.reshape(n, 1), entropy.reshape(n, 1)]
     static = dict(vocab=vocab, tv=tv, layout=layout, logits_dtype=logits_dtype,
-                  tau=temperature, has_bias=has_bias, n_rows=len(per_row))
+                  tau=temperature, cap=softcap, has_bias=has_bias, n_rows=len(per_row))
     bias_args = [bias.reshape(1, vocab)] if has_bias else []
 
     # dh: rows parallel, vocabulary accumulated.
@@ -295,8 +305,6 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadPallasOption
     hits no column).
     ``interpret`` overrides the options' (the sharding layer passes ``"hlo"`` on CPU).
     """
-    if fmt.softcap is not None:  # the API refuses it for pallas; a direct call is named here
-        raise ValueError(PALLAS_SOFTCAP_ERROR)
     opts = options or LmHeadPallasOptions()
     b, t, hdim = hidden.shape
     n = b * t
@@ -307,7 +315,7 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadPallasOption
     flip = opts.match_tpu_layout and not row_major_by_default(w.shape)
     layout = {"hv": "vh", "vh": "hv"}[fmt.layout] if flip else fmt.layout
     static = dict(layout=layout, logits_dtype=fmt.logits_dtype, temperature=temperature,
-                  tiles=tiles, interpret=opts.resolved_interpret() if interpret is None
+                  softcap=fmt.softcap, tiles=tiles, interpret=opts.resolved_interpret() if interpret is None
                   else interpret)
     opts.check_backend(static["interpret"])
 

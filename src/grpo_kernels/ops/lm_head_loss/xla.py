@@ -68,6 +68,7 @@ from grpo_kernels.ops.lm_head_loss.xla_sweep import (
     Head,
     head_sweep,
     rows_of as _rows,
+    vocab_stats,
     vocab_sweep,
 )
 
@@ -287,7 +288,7 @@ def xla_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: T
         h, head = _rows_and_head(*primals, fmt, p.cpu)
         dh, = scale_by_cotangent((dh,), cotangent)
         return _cast_grads(primals, dh, *vocab_sweep(h, ids, head, tau, lse,
-                                                     row.scaled(cotangent), p.cols))
+                                                     row.scaled(cotangent), p.cols)[:2])
 
     def vocab_backward(residuals, cotangent):
         return by_platform(planned_vocab_backward, plan, residuals, cotangent)
@@ -312,6 +313,43 @@ def chunk_order(batch: int, time: int, parts: int, rows: int) -> np.ndarray:
     full = local // step * step
     body = rows_of[:, :full].reshape(parts, -1, step).transpose(1, 0, 2).reshape(-1)
     return np.concatenate([body, rows_of[:, full:].reshape(-1)])
+
+
+def gathered_pieces(hidden: Array, fmt: HeadFormat, options: LmHeadBlockSizes | None,
+                    temperature: float, vocab: int, reduce_dh: Callable[[Array], Array],
+                    fsdp: tuple[str, ...]):
+    """:func:`pieces` for a head whose hidden dimension is split over the mesh axes ``fsdp``
+    (inside ``shard_map``; FSDP-sharded weights, ``[H / f, V_k]`` per device), in
+    vocabulary-major order: the statistics in one pass over blocks of columns
+    (:func:`~.xla_sweep.vocab_stats`), the gradients in another
+    (:func:`~.xla_sweep.vocab_sweep` with ``dh``), each block of ``W`` gathered over ``fsdp``
+    when it is used and its ``dW`` reduce-scattered back. No device holds the whole ``[H,
+    V_k]`` shard, its float32 gradient or a ``[B, T, V_k]`` array: per block ``[N, cols]``
+    logits for this device's ``N`` tokens, and one ``[N, H]`` float32 sum for ``dhidden``.
+    Four matmuls of the logits' size, as ``dweight="vocab"`` (which this mode always is).
+    """
+    b, t, hdim = hidden.shape
+    plan = _planner(b * t, hdim, vocab, options or LmHeadBlockSizes())
+
+    def planned_stats(p: _Plan, primals, ids):
+        h, head = _rows_and_head(*primals, fmt, p.cpu)
+        out = vocab_stats(h, ids.reshape(-1), head, temperature, p.cols, fsdp)
+        return tuple(x.reshape(b, t) for x in out)
+
+    def planned_grad(p: _Plan, primals, hit_ids, lse, row):
+        h, head = _rows_and_head(*primals, fmt, p.cpu)
+        flat = lambda x: x.reshape(-1)  # noqa: E731
+        dw, db, dh = vocab_sweep(h, flat(hit_ids), head, temperature, flat(lse),
+                                 row.map(flat), p.cols, fsdp, with_dh=True)
+        return _cast_grads(primals, reduce_dh(dh), dw, db)
+
+    def stats(primals, ids):
+        return by_platform(planned_stats, plan, primals, ids)
+
+    def grad(primals, hit_ids, lse, row):
+        return by_platform(planned_grad, plan, primals, hit_ids, lse, row)
+
+    return stats, grad
 
 
 def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadBlockSizes | None,
@@ -371,7 +409,7 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadBlockSizes |
                               dw_rows=p.dw_rows, lse=lse, reduce_dh=reduce_dh,
                               dweight=not by_vocab, seq=seq)
         if by_vocab:
-            grads = (grads[0], *vocab_sweep(h, ids, head, temperature, lse, row, p.cols))
+            grads = (grads[0], *vocab_sweep(h, ids, head, temperature, lse, row, p.cols)[:2])
         return _cast_grads(primals, *grads)
 
     def stats(primals, ids):

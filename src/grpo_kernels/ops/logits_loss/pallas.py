@@ -156,9 +156,9 @@ def _tpu_tiling(vocab: int, dtype, opts: PallasOptions, n: int) -> pallas_tpu.Tp
                                   blocks.block_vocab, n)
 
 
-def kernels(vocab: int, dtype, opts: PallasOptions, n: int):
+def kernels(vocab: int, dtype, opts: PallasOptions, n: int, softcap: float | None = None):
     """``(row_statistics, logits_gradient)`` on ``[N, V]`` rows (``N = n``, which the TPU
-    tiling fits its row blocks to), bound to their tiling and interpret flag."""
+    tiling fits its row blocks to), bound to their tiling, interpret flag and soft cap."""
     interpret = opts.resolved_interpret()
     blocks = opts.blocks or PallasBlockSizes()
     if opts.resolved_kernel() == "gpu":
@@ -168,24 +168,25 @@ def kernels(vocab: int, dtype, opts: PallasOptions, n: int):
         tiling, mod = _tpu_tiling(vocab, dtype, opts, n), pallas_tpu
 
     def stats(z, ids, tau):
-        return mod.row_statistics(z, ids, tau, tiling, interpret=interpret)
+        return mod.row_statistics(z, ids, tau, tiling, interpret=interpret, softcap=softcap)
 
     def grad(z, ids, lse, coef, tau, hcoef=None, entropy=None):
         return mod.logits_gradient(z, ids, lse, coef, tau, tiling, interpret=interpret,
                                    alias_logits=opts.alias_logits, hcoef=hcoef,
-                                   entropy=entropy)
+                                   entropy=entropy, softcap=softcap)
 
     return stats, grad
 
 
-def pieces(shape: tuple[int, ...], dtype, options: PallasOptions | None, temperature: float):
-    """``(stats, grad)`` on primals ``(z,)``, ``z`` ``[B, T, V_k]`` logits, as
-    :func:`..xla.pieces`: ``stats((z,), ids)`` -> ``[B, T]`` ``(logp, lse, entropy)``;
+def pieces(shape: tuple[int, ...], dtype, options: PallasOptions | None, temperature: float,
+           softcap: float | None = None):
+    """``(stats, grad)`` on primals ``(z,)``, ``z`` ``[B, T, V_k]`` logits (soft-capped by
+    ``softcap`` in the kernels), as :func:`..xla.pieces`: ``stats((z,), ids)`` -> ``[B, T]`` ``(logp, lse, entropy)``;
     ``grad((z,), hit_ids, lse, row_grad)`` -> ``(dz,)`` where the
     :class:`~grpo_kernels.objective.RowGrad` already carries the loss cotangent."""
     b, t, vocab = shape
     n = b * t
-    row_stats, row_grad = kernels(vocab, dtype, options or PallasOptions(), n)
+    row_stats, row_grad = kernels(vocab, dtype, options or PallasOptions(), n, softcap)
 
     def stats(primals, ids):
         out = row_stats(primals[0].reshape(n, vocab), ids.reshape(n), temperature)
@@ -202,24 +203,24 @@ def pieces(shape: tuple[int, ...], dtype, options: PallasOptions | None, tempera
 
 def pallas_grpo_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
                      options: PallasOptions | None = None,
-                     softcap: None = None) -> tuple[Array, dict[str, Array]]:
+                     softcap: float | None = None) -> tuple[Array, dict[str, Array]]:
     """GRPO loss on the Pallas kernels, differentiable w.r.t. ``logits``.
 
-    Args, returns: as :func:`grpo_kernels.grpo_loss` (checked there; the kernels take no
-    ``logit_softcap``, which the API refuses for this implementation).
+    Args, returns: as :func:`grpo_kernels.grpo_loss` (checked there; ``softcap``: its
+    ``logit_softcap``, applied inside the kernels).
     """
-    assert softcap is None, "logit_softcap reached the Pallas kernels"
     options = options or PallasOptions()
     if options.resolved_one_pass(config):
-        return one_pass_loss(logits, batch, config, options)
-    stats, grad = pieces(logits.shape, logits.dtype, options, config.temperature)
+        return one_pass_loss(logits, batch, config, options, softcap=softcap)
+    stats, grad = pieces(logits.shape, logits.dtype, options, config.temperature, softcap)
     return loss_from_pieces(stats, grad, batch.clamped_ids(logits.shape[-1]), config,
                             (logits,), batch)
 
 
 def one_pass_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
                   options: PallasOptions, batch_sum: BatchSum | None = None,
-                  batch_gather: BatchGather | None = None) -> tuple[Array, dict[str, Array]]:
+                  batch_gather: BatchGather | None = None,
+                  softcap: float | None = None) -> tuple[Array, dict[str, Array]]:
     """:func:`pallas_grpo_loss` on a one-pass kernel (:func:`~.pallas_tpu.one_pass` or
     :func:`~.pallas_gpu_one_pass.one_pass`): the forward reads the logits once and forms the
     gradient for a unit cotangent.
@@ -232,7 +233,8 @@ def one_pass_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
     normalisers in the per-token columns and in the loss are whole-batch figures, and the
     carrier is ``batch_sum``'d like the loss, so its cotangent is the loss's under either
     typing of ``shard_map`` (``check_vma``), where a collective inside the custom rule would
-    see a cotangent split over the devices."""
+    see a cotangent split over the devices. ``softcap``: the logits' soft cap, in the
+    kernel."""
     b, t, vocab = logits.shape
     n, tau = b * t, config.temperature
     interpret = options.resolved_interpret()
@@ -243,7 +245,7 @@ def one_pass_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
         kernel = pallas_gpu_one_pass.one_pass
     else:
         tiling, kernel = _tpu_tiling(vocab, logits.dtype, options, n), pallas_tpu.one_pass
-    row_stats = kernels(vocab, logits.dtype, options, n)[0]
+    row_stats = kernels(vocab, logits.dtype, options, n, softcap)[0]
 
     def forward(primals, batch, with_grad):
         z, ids = primals[0].reshape(n, vocab), batch.clamped_ids(vocab).reshape(n)
@@ -251,7 +253,7 @@ def one_pass_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
             logp, ent, dz = kernel(
                 z, ids, batch.token_columns(config, batch_sum),
                 lambda lp, cols: token_row_grad(lp, cols, config), tau, tiling,
-                interpret=interpret, alias_logits=options.alias_logits)
+                interpret=interpret, alias_logits=options.alias_logits, softcap=softcap)
         else:  # a primal-only call needs the statistics alone
             logp, _, ent = row_stats(z, ids, tau)
         stats = (logp.reshape(b, t), ent.reshape(b, t))

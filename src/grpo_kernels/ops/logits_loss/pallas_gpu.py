@@ -38,7 +38,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from grpo_kernels.compat import out_struct
 from grpo_kernels.ops.logits_loss import pallas_gpu_aligned as aligned
-from grpo_kernels.ops.core.online_softmax import block_stats, finish, reduce_stats, softmax_grad
+from grpo_kernels.ops.core.online_softmax import (block_stats, cap_logits, finish, reduce_stats,
+                                                  softmax_grad, with_cap_grad)
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -97,16 +98,17 @@ def _start(block_vocab: int, ragged: bool, full: int):
         pl.program_id(1) * block_vocab)
 
 
-def _stats_kernel(x_ref, id_ref, m_ref, s_ref, q_ref, c_ref, *, block_vocab, inv_tau, ragged):
+def _stats_kernel(x_ref, id_ref, m_ref, s_ref, q_ref, c_ref, *, block_vocab, inv_tau, cap,
+                  ragged):
     vocab = x_ref.shape[0]
     start = _start(block_vocab, ragged, vocab // block_vocab)
     x, cols = _tile(x_ref, start, block_vocab, vocab, ragged, -jnp.inf)
-    x = x.astype(_F32) * inv_tau
+    x = cap_logits(x, cap, cols < vocab if ragged else None) * inv_tau
     m_ref[...], s_ref[...], q_ref[...] = block_stats(x)
     c_ref[...] = jnp.sum(jnp.where(cols == id_ref[...], x, 0.0))
 
 
-def _grad_kernel(x_ref, id_ref, lse_ref, coef_ref, *rest, block_vocab, inv_tau, ragged,
+def _grad_kernel(x_ref, id_ref, lse_ref, coef_ref, *rest, block_vocab, inv_tau, cap, ragged,
                  with_entropy):
     # rest: the entropy term's per-row factor and entropy (with_entropy), an aliased
     # destination when there is one, and the output last.
@@ -115,7 +117,8 @@ def _grad_kernel(x_ref, id_ref, lse_ref, coef_ref, *rest, block_vocab, inv_tau, 
     vocab = x_ref.shape[0]
     start = _start(block_vocab, ragged, vocab // block_vocab)
     x, cols = _tile(x_ref, start, block_vocab, vocab, ragged, 0.0)
-    u = x.astype(_F32) * inv_tau - lse_ref[...]
+    capped = cap_logits(x, cap)
+    u = capped * inv_tau - lse_ref[...]
     # The order of these lines is the order of the Triton IR, and it matters: with the two
     # scalar loads traced before the exp, the kernel took 1.45-1.65x as long on an H100 at
     # V = 151,643 (unaligned rows, 2-byte loads), with no change at V = 151,936
@@ -123,7 +126,8 @@ def _grad_kernel(x_ref, id_ref, lse_ref, coef_ref, *rest, block_vocab, inv_tau, 
     p = jnp.exp(u)
     coef = coef_ref[...]
     hit = cols == id_ref[...]
-    d = softmax_grad(u, hit, coef, hcoef, ent, p=p).astype(o_ref.dtype)
+    d = with_cap_grad(softmax_grad(u, hit, coef, hcoef, ent, p=p), capped, cap)
+    d = d.astype(o_ref.dtype)
     if ragged:
         plgpu.store(o_ref.at[pl.ds(start, block_vocab)], d, mask=cols < vocab)
     else:
@@ -148,10 +152,12 @@ def _params(blocks: GpuBlocks):
 
 
 def row_statistics(z: Array, ids: Array, temperature: float, blocks: GpuBlocks,
-                   interpret: bool = False) -> tuple[Array, Array, Array]:
+                   interpret: bool = False,
+                   softcap: float | None = None) -> tuple[Array, Array, Array]:
     """``(logp, lse, entropy)``, each ``[N]`` float32; arguments as the TPU version's."""
     if blocks.layout == "aligned":
-        return aligned.row_statistics(z, ids, temperature, blocks, _params(blocks), interpret)
+        return aligned.row_statistics(z, ids, temperature, blocks, _params(blocks), interpret,
+                                      softcap)
     n, vocab = z.shape
     ids = ids.astype(jnp.int32)
     full, tail = divmod(vocab, blocks.block_vocab)
@@ -162,7 +168,7 @@ def row_statistics(z: Array, ids: Array, temperature: float, blocks: GpuBlocks,
         out = out_struct((n,) if ragged else (n, full), _F32, z, ids)
         m, s, q, c = pl.pallas_call(
             functools.partial(_stats_kernel, block_vocab=blocks.block_vocab,
-                              inv_tau=1.0 / temperature, ragged=ragged),
+                              inv_tau=1.0 / temperature, cap=softcap, ragged=ragged),
             grid=_grid(n, vocab, blocks.block_vocab, ragged), out_shape=(out,) * 4,
             in_specs=[row, scalar], out_specs=(tile_out,) * 4, compiler_params=_params(blocks),
             interpret=bool(interpret), name="grpo_tile_statistics",
@@ -175,10 +181,11 @@ def row_statistics(z: Array, ids: Array, temperature: float, blocks: GpuBlocks,
 def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: float,
                     blocks: GpuBlocks, interpret: bool = False,
                     alias_logits: bool = False, hcoef: Array | None = None,
-                    entropy: Array | None = None) -> Array:
-    """:func:`softmax_grad` of ``u = z / temperature - lse`` as ``[N, V]`` in ``z.dtype``:
+                    entropy: Array | None = None, softcap: float | None = None) -> Array:
+    """:func:`softmax_grad` of ``u = c(z) / temperature - lse`` as ``[N, V]`` in ``z.dtype``:
     ``coef (onehot(ids) - exp(u))``, minus ``hcoef exp(u) (u + entropy)`` when ``hcoef`` is
-    given (arguments as the TPU version's).
+    given, times the soft cap's derivative with a ``softcap`` (arguments as the TPU
+    version's).
 
     The full tiles and the ragged tail are two calls writing one buffer. Without aliasing the
     full tiles go first into a fresh output and the tail call writes into it in place; with
@@ -188,7 +195,7 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
     """
     if blocks.layout == "aligned":
         return aligned.logits_gradient(z, ids, lse, coef, temperature, blocks, _params(blocks),
-                                       interpret, alias_logits, hcoef, entropy)
+                                       interpret, alias_logits, hcoef, entropy, softcap)
     n, vocab = z.shape
     with_entropy = hcoef is not None
     args = (ids.astype(jnp.int32), lse.astype(_F32), coef.astype(_F32)) + (
@@ -200,7 +207,7 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
         extra = () if dst is None else (dst,)
         return pl.pallas_call(
             functools.partial(_grad_kernel, block_vocab=blocks.block_vocab,
-                              inv_tau=1.0 / temperature, ragged=ragged,
+                              inv_tau=1.0 / temperature, cap=softcap, ragged=ragged,
                               with_entropy=with_entropy),
             grid=_grid(n, vocab, blocks.block_vocab, ragged),
             out_shape=out_struct((n, vocab), z.dtype, z, *args),

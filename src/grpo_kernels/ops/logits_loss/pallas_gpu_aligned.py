@@ -45,8 +45,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from grpo_kernels.compat import out_struct
-from grpo_kernels.ops.core.online_softmax import (GRAD_FLOOR, finish, merge_stats, reduce_stats,
-                                                  softmax_grad)
+from grpo_kernels.ops.core.online_softmax import (GRAD_FLOOR, cap_logits, finish, merge_stats,
+                                                  reduce_stats, softmax_grad, with_cap_grad)
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -100,10 +100,10 @@ def stats_base2(t: Array):
     return m * _LN2, jnp.sum(e), jnp.sum(e * jnp.maximum(d, _FLOOR)) * _LN2
 
 
-def _stats_tile_kernel(x_ref, m_ref, s_ref, q_ref, *, block_vocab, scale, vocab, align):
+def _stats_tile_kernel(x_ref, m_ref, s_ref, q_ref, *, block_vocab, scale, cap, vocab, align):
     base, head = row_start(vocab, align)
     start = _tile_start(base, head, block_vocab, align)
-    t = plgpu.load(x_ref.at[pl.ds(start, block_vocab)]).astype(_F32) * scale
+    t = cap_logits(plgpu.load(x_ref.at[pl.ds(start, block_vocab)]), cap) * scale
     m_ref[...], s_ref[...], q_ref[...] = stats_base2(t)
 
 
@@ -134,23 +134,28 @@ def edge_segments(x_ref, vocab: int, align: int, full: int, block_vocab: int, wi
 
 
 def edge_stats(x_ref, vocab: int, align: int, full: int, block_vocab: int, width: int,
-               scale: float, row=None):
+               scale: float, row=None, cap: float | None = None):
     """``(m, S, Q)`` of the row's elements outside its full tiles (:func:`edge_segments`;
-    ``scale`` is ``log2(e) / tau``, as for the tiles)."""
+    ``scale`` is ``log2(e) / tau``, as for the tiles; the logits soft-capped by ``cap``)."""
     segments = edge_segments(x_ref, vocab, align, full, block_vocab, width, -jnp.inf, row)
-    return functools.reduce(merge_stats,
-                            [stats_base2(x.astype(_F32) * scale) for _, x, _, _ in segments])
+    return functools.reduce(merge_stats, [stats_base2(cap_logits(x, cap, mask) * scale)
+                                          for _, x, _, mask in segments])
+
 
 
 def store_edge_grad(x_ref, o_ref, vocab: int, align: int, full: int, block_vocab: int,
-                    width: int, inv_tau: float, y, lse, coef, hcoef, ent, row=None) -> None:
+                    width: int, inv_tau: float, y, lse, coef, hcoef, ent, row=None,
+                    cap: float | None = None) -> None:
     """Writes :func:`softmax_grad` of the row's elements outside its full tiles, chosen
-    column included when it lies there, into ``o_ref`` (masked stores)."""
+    column included when it lies there, into ``o_ref`` (masked stores; w.r.t. the uncapped
+    logits with a ``cap``)."""
     for start, x, cols, mask in edge_segments(x_ref, vocab, align, full, block_vocab, width,
                                               0.0, row):
-        u = x.astype(_F32) * inv_tau - lse
-        d = softmax_grad(u, cols == y, coef, hcoef, ent).astype(o_ref.dtype)
+        capped = cap_logits(x, cap)
+        d = softmax_grad(capped * inv_tau - lse, cols == y, coef, hcoef, ent)
+        d = with_cap_grad(d, capped, cap).astype(o_ref.dtype)
         plgpu.store(o_ref.at[pl.ds(start, x.shape[0])], d, mask=mask)
+
 
 
 def not_chosen_grad(p, t, a, hc2):
@@ -161,40 +166,42 @@ def not_chosen_grad(p, t, a, hc2):
     return -p * (a if hc2 is None else a + hc2 * jnp.maximum(t, GRAD_FLOOR))
 
 
-def _stats_edge_kernel(x_ref, m_ref, s_ref, q_ref, *, block_vocab, scale, vocab, align, full,
-                       width):
+def _stats_edge_kernel(x_ref, m_ref, s_ref, q_ref, *, block_vocab, scale, cap, vocab, align,
+                       full, width):
     m_ref[...], s_ref[...], q_ref[...] = edge_stats(x_ref, vocab, align, full, block_vocab,
-                                                    width, scale)
+                                                    width, scale, cap=cap)
 
 
-def _grad_tile_kernel(x_ref, lse_ref, a_ref, *rest, block_vocab, scale, vocab, align,
+def _grad_tile_kernel(x_ref, lse_ref, a_ref, *rest, block_vocab, scale, cap, vocab, align,
                       with_entropy):
     # rest: the entropy term's factor (with_entropy), with alias_logits the chosen logits (an
     # input only so that XLA gathers them before this call overwrites the logits), the output.
     o_ref = rest[-1]
     base, head = row_start(vocab, align)
     start = _tile_start(base, head, block_vocab, align)
-    x = plgpu.load(x_ref.at[pl.ds(start, block_vocab)])
-    t = x.astype(_F32) * scale - lse_ref[...]  # u log2 e, u = s - lse
+    capped = cap_logits(plgpu.load(x_ref.at[pl.ds(start, block_vocab)]), cap)
+    t = capped * scale - lse_ref[...]  # u log2 e, u = s - lse
     p = jnp.exp2(t)  # traced before the row factors are read (see pallas_gpu._grad_kernel)
     d = not_chosen_grad(p, t, a_ref[...], rest[0][...] if with_entropy else None)
+    d = with_cap_grad(d, capped, cap)
     plgpu.store(o_ref.at[pl.ds(start, block_vocab)], d.astype(o_ref.dtype))
 
 
 def _grad_edge_kernel(x_ref, id_ref, lse_ref, coef_ref, zy_ref, *rest, block_vocab, inv_tau,
-                      vocab, align, full, width, with_entropy):
+                      cap, vocab, align, full, width, with_entropy):
     # rest: hcoef and entropy (with_entropy), an aliased destination when there is one, and
     # the output last.
     o_ref = rest[-1]
     hcoef, ent = (rest[0][...], rest[1][...]) if with_entropy else (None, None)
     lse, coef, y = lse_ref[...], coef_ref[...], id_ref[...]
     store_edge_grad(x_ref, o_ref, vocab, align, full, block_vocab, width, inv_tau, y, lse, coef,
-                    hcoef, ent)
+                    hcoef, ent, cap=cap)
     # The chosen column when a full tile holds it (the tile wrote the not-chosen value there).
     base, head = row_start(vocab, align)
     in_tiles = (y >= head) & (y < head + full * block_vocab)
-    u_y = zy_ref[...].astype(_F32) * inv_tau - lse
-    d_y = softmax_grad(u_y, True, coef, hcoef, ent).astype(o_ref.dtype)
+    capped_y = cap_logits(zy_ref[...], cap)
+    d_y = softmax_grad(capped_y * inv_tau - lse, True, coef, hcoef, ent)
+    d_y = with_cap_grad(d_y, capped_y, cap).astype(o_ref.dtype)
     plgpu.store(o_ref.at[pl.ds(base + jnp.where(in_tiles, y, 0), 1)],
                 jnp.full((1,), d_y, o_ref.dtype), mask=jnp.full((1,), in_tiles))
 
@@ -224,12 +231,14 @@ def chosen_logits(z: Array, ids: Array) -> Array:
 
 
 def row_statistics(z: Array, ids: Array, temperature: float, blocks, params,
-                   interpret: bool = False) -> tuple[Array, Array, Array]:
+                   interpret: bool = False,
+                   softcap: float | None = None) -> tuple[Array, Array, Array]:
     """``(logp, lse, entropy)``, each ``[N]`` float32 (as :func:`.pallas_gpu.row_statistics`)."""
     n, vocab, align, full, width = plan_rows(z, blocks.block_vocab)
     flat, scale = z.reshape(n * vocab), _LOG2E / temperature
     whole = whole_spec(n * vocab)
-    common = dict(block_vocab=blocks.block_vocab, scale=scale, vocab=vocab, align=align)
+    common = dict(block_vocab=blocks.block_vocab, scale=scale, cap=softcap, vocab=vocab,
+                  align=align)
     parts = []
     if full:
         out = out_struct((n, full), _F32, z)
@@ -247,13 +256,14 @@ def row_statistics(z: Array, ids: Array, temperature: float, blocks, params,
     )(flat)
     parts.append(tuple(x[:, None] for x in edge))
     m, s, q = (jnp.concatenate(xs, axis=1) if len(xs) > 1 else xs[0] for xs in zip(*parts))
-    chosen = chosen_logits(z, ids).astype(_F32) * (1.0 / temperature)
+    chosen = cap_logits(chosen_logits(z, ids), softcap) * (1.0 / temperature)
     return finish(*reduce_stats(m, s, q), chosen)
 
 
 def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: float,
                     blocks, params, interpret: bool = False, alias_logits: bool = False,
-                    hcoef: Array | None = None, entropy: Array | None = None) -> Array:
+                    hcoef: Array | None = None, entropy: Array | None = None,
+                    softcap: float | None = None) -> Array:
     """As :func:`.pallas_gpu.logits_gradient`. The full tiles go first (into the logits' own
     buffer with ``alias_logits``, else a fresh one), then the edge call writes each row's head,
     tail and chosen column into that buffer in place; it reads only the head and tail, which
@@ -273,8 +283,8 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
         row2 = pl.BlockSpec((None,), lambda i, j: (i,))
         out = pl.pallas_call(
             functools.partial(_grad_tile_kernel, block_vocab=blocks.block_vocab,
-                              scale=_LOG2E / temperature, vocab=vocab, align=align,
-                              with_entropy=with_entropy),
+                              scale=_LOG2E / temperature, cap=softcap, vocab=vocab,
+                              align=align, with_entropy=with_entropy),
             grid=(n, full), out_shape=out_struct((n * vocab,), z.dtype, z, *args),
             in_specs=[whole] + [row2] * len(args), out_specs=whole,
             input_output_aliases={0: 0} if alias_logits else {}, compiler_params=params,
@@ -289,8 +299,8 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
     row = pl.BlockSpec((None,), lambda i: (i,))
     out = pl.pallas_call(
         functools.partial(_grad_edge_kernel, block_vocab=blocks.block_vocab,
-                          inv_tau=1.0 / temperature, vocab=vocab, align=align, full=full,
-                          width=width, with_entropy=with_entropy),
+                          inv_tau=1.0 / temperature, cap=softcap, vocab=vocab, align=align,
+                          full=full, width=width, with_entropy=with_entropy),
         grid=(n,), out_shape=out_struct((n * vocab,), z.dtype, z, *args),
         in_specs=[whole] + [row] * len(args) + [whole] * len(dst), out_specs=whole,
         input_output_aliases=alias, compiler_params=params, interpret=bool(interpret),

@@ -57,7 +57,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from grpo_kernels.compat import out_struct
 from grpo_kernels.ops.core.options import check_int
-from grpo_kernels.ops.core.online_softmax import finish, merge_stats
+from grpo_kernels.ops.core.online_softmax import cap_logits, finish, merge_stats, with_cap_grad
 from grpo_kernels.ops.logits_loss import pallas_gpu_aligned as aligned
 
 Array = jax.Array
@@ -149,7 +149,7 @@ def _sweep(load: Callable, full: int, stages: int, body: Callable, init):
 
 
 def _kernel(x_ref, id_ref, zy_ref, *refs, vocab, align, full, width, block_vocab, inv_tau,
-            n, programs, stages, l2_hints, names, row_grad):
+            cap, n, programs, stages, l2_hints, names, row_grad):
     # refs: one [N] float32 column per name, then the outputs logp, entropy, dlogits.
     col_refs = refs[:len(names)]
     logp_ref, ent_ref, o_ref = refs[len(names):]
@@ -176,14 +176,14 @@ def _kernel(x_ref, id_ref, zy_ref, *refs, vocab, align, full, width, block_vocab
             return lambda k: plgpu.load(x_ref.at[tile(k)], eviction_policy=policy)
 
         def stats_tile(k, x, c):
-            return merge_stats(c, aligned.stats_base2(x.astype(_F32) * scale))
+            return merge_stats(c, aligned.stats_base2(cap_logits(x, cap) * scale))
 
         empty = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0))
         c = merge_stats(_sweep(loader(keep), full, stages, stats_tile, empty),
                         aligned.edge_stats(x_ref, vocab, align, full, block_vocab, width, scale,
-                                           r))
+                                           r, cap))
         y = id_ref[r]
-        logp, lse, ent = finish(*c, zy_ref[r].astype(_F32) * inv_tau)
+        logp, lse, ent = finish(*c, cap_logits(zy_ref[r], cap) * inv_tau)
         rg = row_grad(logp, {k: ref[r] for k, ref in zip(names, col_refs)})
         coef = rg.g * inv_tau
         hcoef = None if rg.h is None else rg.h * inv_tau
@@ -195,15 +195,17 @@ def _kernel(x_ref, id_ref, zy_ref, *refs, vocab, align, full, width, block_vocab
         def grad_tile(k, x, c):
             # With alias_logits o_ref is x_ref: the tiles loading ahead are the next ones,
             # which this store does not touch.
-            t = x.astype(_F32) * scale - lse2
+            capped = cap_logits(x, cap)
+            t = capped * scale - lse2
             d = aligned.not_chosen_grad(jnp.exp2(t), t, a, hc2)
             d = d + jnp.where(idx == y - head - k * block_vocab, coef, 0.0)
+            d = with_cap_grad(d, capped, cap)
             plgpu.store(o_ref.at[tile(k)], d.astype(o_ref.dtype), eviction_policy=drop)
             return c
 
         _sweep(loader(drop), full, stages, grad_tile, jnp.int32(0))
         aligned.store_edge_grad(x_ref, o_ref, vocab, align, full, block_vocab, width, inv_tau, y,
-                                lse, coef, hcoef, ent, r)
+                                lse, coef, hcoef, ent, r, cap)
         logp_ref[r], ent_ref[r] = logp, ent
 
     jax.lax.fori_loop(0, (n - pid + programs - 1) // programs, one_row, None)
@@ -211,7 +213,8 @@ def _kernel(x_ref, id_ref, zy_ref, *refs, vocab, align, full, width, block_vocab
 
 def one_pass(z: Array, ids: Array, columns: dict[str, Array | None], row_grad: Callable,
              temperature: float, blocks: OnePassBlocks, interpret: bool = False,
-             alias_logits: bool = False) -> tuple[Array, Array, Array]:
+             alias_logits: bool = False,
+             softcap: float | None = None) -> tuple[Array, Array, Array]:
     r"""``(logp, entropy, dlogits)`` of a token-separable loss; arguments as
     :func:`.pallas_tpu.one_pass`'s, with ``row_grad`` called on the token's scalars.
 
@@ -226,7 +229,7 @@ def one_pass(z: Array, ids: Array, columns: dict[str, Array | None], row_grad: C
     col = out_struct((n,), _F32, z, *args)
     kernel = functools.partial(
         _kernel, vocab=vocab, align=align, full=full, width=width,
-        block_vocab=blocks.block_vocab, inv_tau=1.0 / temperature, n=n,
+        block_vocab=blocks.block_vocab, inv_tau=1.0 / temperature, cap=softcap, n=n,
         programs=blocks.programs, stages=blocks.stages, l2_hints=blocks.l2_hints, names=names,
         row_grad=row_grad)
     logp, ent, dz = pl.pallas_call(

@@ -13,6 +13,9 @@ megacore chip splits it across its cores):
   dtype, where ``c = g * cotangent / tau`` is one float32 per row. It can write into the logits
   buffer (``input_output_aliases``).
 
+With ``softcap`` (Gemma 2's final-logit cap) both read ``s = c tanh(z / c) / tau`` and the
+gradient gains the cap's derivative ``1 - tanh^2(z / c)``, both formed from the tile in VMEM.
+
 Layout. A block is ``[block_rows, V]``: whole rows go from HBM to VMEM in one DMA per grid step
 (the pipeline prefetches the next block while the current one is swept), and the kernel tiles
 the vocabulary *inside* VMEM in ``block_vocab`` columns with a ``fori_loop`` and a static,
@@ -38,7 +41,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from grpo_kernels.compat import out_struct
 from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, sweep
-from grpo_kernels.ops.core.online_softmax import softmax_grad
+from grpo_kernels.ops.core.online_softmax import cap_logits, softmax_grad, with_cap_grad
 from grpo_kernels.ops.core.tpu import MiB, VMEM_BYTES, scoped_vmem_limit, tpu_generation
 
 Array = jax.Array
@@ -131,13 +134,15 @@ def _vocab_tiles(vocab: int, block_vocab: int, body, carry):
                  start=lambda j: pl.multiple_of(j * block_vocab, 128))
 
 
-def _row_stats(x_ref, ids: Array, block_vocab: int, inv_tau: float) -> tuple[Array, ...]:
-    """``(logp, lse, entropy)``, each ``[rows, 1]``, of the VMEM block ``x_ref`` in one sweep."""
+def _row_stats(x_ref, ids: Array, block_vocab: int, inv_tau: float,
+               cap: float | None) -> tuple[Array, ...]:
+    """``(logp, lse, entropy)``, each ``[rows, 1]``, of the VMEM block ``x_ref`` in one sweep
+    (the logits soft-capped by ``cap``, if any, before the temperature)."""
     rows, vocab = x_ref.shape
 
     def tile(start, width, carry):
         stats, chosen = carry
-        x = x_ref[:, pl.ds(start, width)].astype(_F32) * inv_tau
+        x = cap_logits(x_ref[:, pl.ds(start, width)], cap) * inv_tau
         cols = start + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)
         chosen = chosen + jnp.sum(jnp.where(cols == ids, x, 0.0), axis=1, keepdims=True)
         return merge_stats(stats, block_stats(x, keepdims=True)), chosen
@@ -149,42 +154,43 @@ def _row_stats(x_ref, ids: Array, block_vocab: int, inv_tau: float) -> tuple[Arr
 
 
 def _write_grad(x_ref, o_ref, ids: Array, lse: Array, coef: Array, hcoef: Array | None,
-                ent: Array | None, block_vocab: int, inv_tau: float) -> None:
-    """Writes :func:`softmax_grad` of the VMEM block ``x_ref`` into ``o_ref``, tile by tile."""
+                ent: Array | None, block_vocab: int, inv_tau: float, cap: float | None) -> None:
+    """Writes :func:`softmax_grad` of the VMEM block ``x_ref`` into ``o_ref``, tile by tile
+    (w.r.t. the uncapped logits: times the cap's derivative)."""
     rows, vocab = x_ref.shape
 
     def tile(start, width, carry):
-        x = x_ref[:, pl.ds(start, width)].astype(_F32) * inv_tau
+        capped = cap_logits(x_ref[:, pl.ds(start, width)], cap)
         cols = start + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)
-        o_ref[:, pl.ds(start, width)] = softmax_grad(
-            x - lse, cols == ids, coef, hcoef, ent).astype(o_ref.dtype)
+        d = softmax_grad(capped * inv_tau - lse, cols == ids, coef, hcoef, ent)
+        o_ref[:, pl.ds(start, width)] = with_cap_grad(d, capped, cap).astype(o_ref.dtype)
         return carry
 
     _vocab_tiles(vocab, block_vocab, tile, 0)
 
 
-def _stats_kernel(x_ref, ids_ref, logp_ref, lse_ref, ent_ref, *, block_vocab, inv_tau):
+def _stats_kernel(x_ref, ids_ref, logp_ref, lse_ref, ent_ref, *, block_vocab, inv_tau, cap):
     logp_ref[...], lse_ref[...], ent_ref[...] = _row_stats(x_ref, ids_ref[...], block_vocab,
-                                                           inv_tau)
+                                                           inv_tau, cap)
 
 
-def _grad_kernel(x_ref, ids_ref, lse_ref, coef_ref, *rest, block_vocab, inv_tau):
+def _grad_kernel(x_ref, ids_ref, lse_ref, coef_ref, *rest, block_vocab, inv_tau, cap):
     o_ref = rest[-1]  # rest: (hcoef_ref, ent_ref) with the entropy term, then the output
     hcoef, ent = (rest[0][...], rest[1][...]) if len(rest) == 3 else (None, None)
     _write_grad(x_ref, o_ref, ids_ref[...], lse_ref[...], coef_ref[...], hcoef, ent,
-                block_vocab, inv_tau)
+                block_vocab, inv_tau, cap)
 
 
-def _one_pass_kernel(x_ref, ids_ref, *refs, block_vocab, inv_tau, names, row_grad):
+def _one_pass_kernel(x_ref, ids_ref, *refs, block_vocab, inv_tau, cap, names, row_grad):
     # refs: one [rows, 1] column per name, then the outputs logp, entropy, dlogits.
     columns = {k: r[...] for k, r in zip(names, refs)}
     logp_ref, ent_ref, o_ref = refs[len(names):]
     ids = ids_ref[...]
-    logp, lse, ent = _row_stats(x_ref, ids, block_vocab, inv_tau)
+    logp, lse, ent = _row_stats(x_ref, ids, block_vocab, inv_tau, cap)
     rg = row_grad(logp, columns)
     hcoef = None if rg.h is None else rg.h * inv_tau
     _write_grad(x_ref, o_ref, ids, lse, rg.g * inv_tau, hcoef, None if rg.h is None else ent,
-                block_vocab, inv_tau)
+                block_vocab, inv_tau, cap)
     logp_ref[...], ent_ref[...] = logp, ent
 
 
@@ -231,8 +237,9 @@ def _over_row_blocks(call: Callable, z: Array, cols: list[Array], block_rows: in
 
 
 def row_statistics(z: Array, ids: Array, temperature: float, blocks: TpuBlocks,
-                   interpret: bool = False) -> tuple[Array, Array, Array]:
-    """``(logp, lse, entropy)``, each ``[N]`` float32, of ``softmax(z / temperature)``.
+                   interpret: bool = False,
+                   softcap: float | None = None) -> tuple[Array, Array, Array]:
+    """``(logp, lse, entropy)``, each ``[N]`` float32, of ``softmax(c(z) / temperature)``.
 
     Args:
       z: ``[N, V]`` logits (bfloat16 or float32).
@@ -240,11 +247,13 @@ def row_statistics(z: Array, ids: Array, temperature: float, blocks: TpuBlocks,
       temperature: Softmax temperature.
       blocks: Tiling (:func:`plan_blocks`).
       interpret: Run in TPU interpret mode on the CPU, raising on any out-of-bounds read.
+      softcap: ``c(z) = softcap * tanh(z / softcap)`` (Gemma 2's soft cap) in float32 before
+        the temperature; ``None``: ``c(z) = z``.
     """
     n, vocab = z.shape
     ids = ids.astype(jnp.int32).reshape(n, 1)
     kernel = functools.partial(_stats_kernel, block_vocab=blocks.block_vocab,
-                               inv_tau=1.0 / temperature)
+                               inv_tau=1.0 / temperature, cap=softcap)
 
     def call(zz, per_row, rows, grid, out_rows, alias):
         del alias  # the statistics never write into the logits
@@ -264,16 +273,17 @@ def row_statistics(z: Array, ids: Array, temperature: float, blocks: TpuBlocks,
 def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: float,
                     blocks: TpuBlocks, interpret: bool = False,
                     alias_logits: bool = False, hcoef: Array | None = None,
-                    entropy: Array | None = None) -> Array:
-    """:func:`softmax_grad` of ``u = z / temperature - lse`` as ``[N, V]`` in ``z.dtype``:
-    ``coef (onehot(ids) - exp(u))``, minus ``hcoef exp(u) (u + entropy)`` with ``hcoef``.
+                    entropy: Array | None = None, softcap: float | None = None) -> Array:
+    """:func:`softmax_grad` of ``u = c(z) / temperature - lse`` as ``[N, V]`` in ``z.dtype``:
+    ``coef (onehot(ids) - exp(u))``, minus ``hcoef exp(u) (u + entropy)`` with ``hcoef``;
+    with a ``softcap``, times ``c'(z) = 1 - (c(z) / softcap)^2`` (the gradient w.r.t. ``z``).
 
     Args:
       z: ``[N, V]`` logits.
       ids, lse, coef: ``[N]`` int32 ids, float32 logsumexp, float32 per-row factor.
       hcoef, entropy: ``[N]`` float32 factor of the entropy term and the rows' entropies, or
         ``None`` (no entropy term: the kernel reads neither).
-      temperature, blocks, interpret: as :func:`row_statistics`.
+      temperature, blocks, interpret, softcap: as :func:`row_statistics`.
       alias_logits: Write dlogits into the logits' buffer (``input_output_aliases``) when
         ``N`` is a multiple of ``blocks.block_rows``; XLA only avoids a copy when the logits
         are otherwise dead (e.g. donated).
@@ -284,7 +294,7 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
     if hcoef is not None:
         cols += [hcoef.astype(_F32).reshape(n, 1), entropy.astype(_F32).reshape(n, 1)]
     kernel = functools.partial(_grad_kernel, block_vocab=blocks.block_vocab,
-                               inv_tau=1.0 / temperature)
+                               inv_tau=1.0 / temperature, cap=softcap)
 
     def call(zz, per_row, rows, grid, out_rows, alias):
         n_cols = len(per_row)
@@ -302,7 +312,8 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
 
 def one_pass(z: Array, ids: Array, columns: dict[str, Array | None], row_grad: Callable,
              temperature: float, blocks: TpuBlocks, interpret: bool = False,
-             alias_logits: bool = False) -> tuple[Array, Array, Array]:
+             alias_logits: bool = False,
+             softcap: float | None = None) -> tuple[Array, Array, Array]:
     r"""``(logp, entropy, dlogits)`` of a token-separable loss, reading each row block once.
 
     Each grid step DMAs ``[block_rows, V]`` logits into VMEM once. The kernel sweeps them for
@@ -318,7 +329,7 @@ def one_pass(z: Array, ids: Array, columns: dict[str, Array | None], row_grad: C
       columns: ``[N]`` float32 per-token inputs of ``row_grad`` by name (``None``: absent).
       row_grad: ``row_grad(logp, columns) -> RowGrad`` on ``[rows, 1]`` arrays; its ``h``
         (the entropy bonus's factor) may be ``None``.
-      temperature, blocks, interpret: as :func:`row_statistics`.
+      temperature, blocks, interpret, softcap: as :func:`row_statistics`.
       alias_logits: as :func:`logits_gradient`.
     """
     n, vocab = z.shape
@@ -326,7 +337,8 @@ def one_pass(z: Array, ids: Array, columns: dict[str, Array | None], row_grad: C
     cols = [ids.astype(jnp.int32).reshape(n, 1)] + [
         columns[k].astype(_F32).reshape(n, 1) for k in names]
     kernel = functools.partial(_one_pass_kernel, block_vocab=blocks.block_vocab,
-                               inv_tau=1.0 / temperature, names=names, row_grad=row_grad)
+                               inv_tau=1.0 / temperature, cap=softcap, names=names,
+                               row_grad=row_grad)
 
     def call(zz, per_row, rows, grid, out_rows, alias):
         n_cols = len(per_row)

@@ -134,7 +134,8 @@ def token_logps(logits: Array, ids: Array, *, temperature: float = 1.0,
         logp, ent = from_pieces(*logits_xla.pieces(logits.shape, options, tau, softcap),
                                 (logits,), ids, return_entropy)
     else:
-        logp, ent = from_pieces(*logits_pallas.pieces(logits.shape, logits.dtype, options, tau),
+        logp, ent = from_pieces(*logits_pallas.pieces(logits.shape, logits.dtype, options, tau,
+                                                      softcap),
                                 (logits,), ids, return_entropy)
     return (logp, ent) if return_entropy else logp
 
