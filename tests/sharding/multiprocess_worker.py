@@ -5,8 +5,9 @@
 Joins ``jax.distributed`` on 127.0.0.1 with gloo CPU collectives, builds a global
 ``(dp=2, tp=4)`` mesh whose vocabulary axis spans the processes, and runs both sharded ops
 (xla) on every loss type at token and sequence level, every other case on a mesh with Explicit
-axes (as ``jax.make_mesh`` makes it) with the inputs split over the batch only. Process 0 writes every loss and gradient,
-gathered to the host, into ``OUT.npz``. Each process makes the same inputs from the same seed
+axes (as ``jax.make_mesh`` makes it) with the inputs split over the batch only, and every other
+pair with the head's ``H`` split over ``dp`` (``head_axes``). Process 0 writes every loss and
+gradient, gathered to the host, into ``OUT.npz``. Each process makes the same inputs from the same seed
 and puts only its own shards on its devices.
 """
 
@@ -46,6 +47,9 @@ assert all(len({d.process_index for d in row}) == num_processes for row in devic
 MESHES = (Mesh(devices, ("dp", "tp")),
           Mesh(devices, ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2))
 spec = ShardingSpec(("dp",), "tp")
+# The head's H split over dp too (FSDP weights), every other pair of cases: its blocks are
+# gathered, and its gradient reduce-scattered, across the processes.
+fsdp_spec = ShardingSpec(("dp",), "tp", ("dp",))
 
 
 def put(x, *axes):
@@ -88,13 +92,15 @@ for i, cfg_kwargs in enumerate(CASES):
                   advantages=put(hin.advantages, "dp"))
     hkwargs = {k: put(v, "dp") for k, v in hin.kwargs().items()}
 
-    def head_loss(h, w, batch=hbatch, kwargs=hkwargs, cfg=cfg):
+    hspec = fsdp_spec if i % 4 >= 2 else spec
+
+    def head_loss(h, w, batch=hbatch, kwargs=hkwargs, cfg=cfg, hspec=hspec):
         return sharded_grpo_loss_from_hidden(
-            h, w, batch["ids"], batch["mask"], batch["advantages"], mesh=mesh, sharding=spec,
+            h, w, batch["ids"], batch["mask"], batch["advantages"], mesh=mesh, sharding=hspec,
             config=cfg, impl="xla", **kwargs)[0]
 
     loss, (dh, dw) = jax.jit(jax.value_and_grad(head_loss, argnums=(0, 1)))(
-        put(hin.hidden, "dp"), put(hin.lm_head, None, "tp"))
+        put(hin.hidden, "dp"), put(hin.lm_head, "dp" if hspec.head_axes else None, "tp"))
     results[f"head_{i}_loss"] = scalar(loss)
     results[f"head_{i}_dhidden"], results[f"head_{i}_dw"] = gather(dh), gather(dw)
 

@@ -104,3 +104,31 @@ def test_hidden_loss_on_made_meshes(kind, impl, layout):
                                           config=CONFIG, impl=impl, lm_head_layout="vh",
                                           old_logps=args[5], ref_logps=args[6])
     np.testing.assert_allclose(float(eager[0]), float(want[0][0]), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("kind, head_layout", [("explicit", None), ("auto", "op")])
+def test_fsdp_head_on_made_meshes(kind, head_layout):
+    """``head_axes``: the head's H split over the batch axis (FSDP weights). On an Explicit
+    mesh a head placed anywhere else is moved to ``P("tp", "dp")`` first; on an Auto mesh,
+    placed there already, it is taken as it is. The gradient comes back in that layout."""
+    mesh = _mesh(kind)
+    spec = ShardingSpec(batch_axes=("dp",), vocab_axis="tp", head_axes=("dp",))
+    inp = random_head_inputs(7, 4, 8, 16, 64, jnp.float32, CONFIG, layout="vh")
+
+    def one(h, w):
+        return grpo_loss_from_hidden(h, w, inp.ids, inp.mask, inp.advantages, config=CONFIG,
+                                     impl="reference", lm_head_layout="vh",
+                                     old_logps=inp.old_logps, ref_logps=inp.ref_logps)
+
+    def loss(h, w):
+        return sharded_grpo_loss_from_hidden(h, w, inp.ids, inp.mask, inp.advantages,
+                                             mesh=mesh, sharding=spec, config=CONFIG,
+                                             impl="xla", lm_head_layout="vh",
+                                             old_logps=inp.old_logps, ref_logps=inp.ref_logps)
+
+    want = jax.value_and_grad(one, argnums=(0, 1), has_aux=True)(inp.hidden, inp.lm_head)
+    w = _place(mesh, inp.lm_head, P("tp", "dp") if head_layout == "op" else None)
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        _place(mesh, inp.hidden, P("dp")), w)
+    _close(got, want)
+    assert got[1][1].sharding.spec == P("tp", "dp")
