@@ -540,7 +540,17 @@ def unpatch_log_probs() -> None:
 @contextlib.contextmanager
 def log_probs_patched(impl: str = "auto", options: Any = None) -> Iterator[None]:
     """``with log_probs_patched(): ...``: :func:`patch_log_probs` inside the block,
-    :func:`unpatch_log_probs` after it (also on an exception)."""
+    :func:`unpatch_log_probs` after it (also on an exception).
+
+    Examples:
+      >>> from tunix.rl import common
+      >>> own = common.compute_per_token_logps
+      >>> with log_probs_patched():
+      ...     common.compute_per_token_logps is own
+      False
+      >>> common.compute_per_token_logps is own
+      True
+    """
     patch_log_probs(impl, options)
     try:
         yield

@@ -100,6 +100,20 @@ def sharded_token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *
 
     Raises:
       ValueError: as :func:`sharded_token_logps`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from grpo_kernels import token_logps_from_hidden
+      >>> from grpo_kernels.sharding import ShardingSpec, mesh_from_shape
+      >>> n = jax.device_count()
+      >>> mesh = mesh_from_shape((n, 1), ("dp", "tp"))
+      >>> k1, k2 = jax.random.split(jax.random.key(0))
+      >>> h, w = jax.random.normal(k1, (n, 4, 8)), jax.random.normal(k2, (8, 32))
+      >>> ids = jnp.arange(4 * n).reshape(n, 4) % 32
+      >>> logp = sharded_token_logps_from_hidden(h, w, ids, mesh=mesh,
+      ...                                        sharding=ShardingSpec("dp", "tp"))
+      >>> bool(jnp.allclose(logp, token_logps_from_hidden(h, w, ids), atol=1e-5))
+      True
     """
     impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
     fmt = head_api.validate_head(hidden, lm_head, lm_head_layout, bias, logits_dtype,

@@ -275,6 +275,24 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
     Raises:
       ValueError: bad arguments (as ``grpo_loss``), a mesh without the named axes, or ``B``/``V``
         not divisible by their axes (nothing is padded).
+
+    Examples:
+      The batch over ``dp``, the vocabulary over ``tp`` (on however many devices there are;
+      one is a mesh of size 1), equal to the one-device loss:
+
+      >>> import jax, jax.numpy as jnp
+      >>> from grpo_kernels import GRPOLossConfig, grpo_loss
+      >>> from grpo_kernels.sharding import ShardingSpec, mesh_from_shape
+      >>> mesh = mesh_from_shape((jax.device_count(), 1), ("dp", "tp"))
+      >>> b, t, v = 2 * jax.device_count(), 3, 16
+      >>> z = jax.random.normal(jax.random.key(0), (b, t, v))
+      >>> ids, mask = jnp.zeros((b, t), jnp.int32), jnp.ones((b, t))
+      >>> adv = jnp.linspace(-1.0, 1.0, b)
+      >>> cfg = GRPOLossConfig()
+      >>> loss, _ = sharded_grpo_loss(z, ids, mask, adv, mesh=mesh,
+      ...                             sharding=ShardingSpec("dp", "tp"), config=cfg)
+      >>> bool(jnp.allclose(loss, grpo_loss(z, ids, mask, adv, config=cfg)[0], atol=1e-6))
+      True
     """
     validate_token_inputs(logits, ids, mask, advantages, config, old_logps, ref_logps,
                           sampler_weights, sampler_logps)
@@ -327,6 +345,32 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
     Raises:
       ValueError: bad arguments, a mesh without the named axes, or ``B``/``V`` (or, with
         ``head_axes``, ``H``) not divisible by their axes (nothing is padded).
+
+    Examples:
+      A head placed FSDP-style, ``H`` over the batch axis too (``head_axes``), as tunix
+      places one; its gradient comes back in that layout:
+
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding
+      >>> from grpo_kernels import GRPOLossConfig, grpo_loss_from_hidden
+      >>> from grpo_kernels.sharding import ShardingSpec, mesh_from_shape
+      >>> n = jax.device_count()
+      >>> mesh = mesh_from_shape((n, 1), ("fsdp", "tp"))
+      >>> spec = ShardingSpec("fsdp", "tp", head_axes="fsdp")
+      >>> k1, k2 = jax.random.split(jax.random.key(0))
+      >>> h = jax.random.normal(k1, (2 * n, 3, 8 * n))
+      >>> w = jax.device_put(jax.random.normal(k2, (8 * n, 32)),
+      ...                    NamedSharding(mesh, spec.head("hv")))
+      >>> ids, mask = jnp.zeros((2 * n, 3), jnp.int32), jnp.ones((2 * n, 3))
+      >>> adv = jnp.linspace(-1.0, 1.0, 2 * n)
+      >>> cfg = GRPOLossConfig()
+      >>> def loss(w):
+      ...     return sharded_grpo_loss_from_hidden(h, w, ids, mask, adv, mesh=mesh,
+      ...                                          sharding=spec, config=cfg, impl="xla")[0]
+      >>> dw = jax.jit(jax.grad(loss))(w)
+      >>> want = jax.grad(lambda w: grpo_loss_from_hidden(h, w, ids, mask, adv, config=cfg)[0])(w)
+      >>> bool(jnp.allclose(dw, want, atol=1e-5))
+      True
     """
     impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
     fmt = head_api.validate_call(hidden, lm_head, ids, mask, advantages, config, old_logps,
