@@ -364,10 +364,11 @@ def test_one_pass_forced_on_a_vocabulary_split_is_refused():
                           options=PallasOptions(one_pass=True), **kw)
 
 
-def _xla_one_pass(z, ids, columns, row_grad, tau, blocks, interpret=False, alias_logits=False):
+def _xla_one_pass(z, ids, columns, row_grad, tau, blocks, interpret=False, alias_logits=False,
+                  softcap=None):
     """pallas_tpu.one_pass's contract in plain XLA (ops/logits_loss/xla.py's pieces)."""
     n, v = z.shape
-    stats, grad = logits_xla.pieces((1, n, v), None, tau)
+    stats, grad = logits_xla.pieces((1, n, v), None, tau, softcap)
     logp, lse, ent = (x.reshape(n) for x in stats((z[None],), ids[None]))
     rg = row_grad(logp, {k: c for k, c in columns.items() if c is not None})
     rg = RowGrad(rg.g, rg.h, None if rg.h is None else ent).over(tau)
@@ -375,9 +376,9 @@ def _xla_one_pass(z, ids, columns, row_grad, tau, blocks, interpret=False, alias
     return logp, ent, dz[0]
 
 
-def _xla_row_statistics(z, ids, tau, blocks, interpret=False):
+def _xla_row_statistics(z, ids, tau, blocks, interpret=False, softcap=None):
     n, v = z.shape
-    out = logits_xla.pieces((1, n, v), None, tau)[0]((z[None],), ids[None])
+    out = logits_xla.pieces((1, n, v), None, tau, softcap)[0]((z[None],), ids[None])
     return tuple(x.reshape(n) for x in out)
 
 
