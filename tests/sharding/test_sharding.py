@@ -1,5 +1,6 @@
 """Sharded losses equal the one-device reference on 8 simulated devices (see conftest.py)."""
 
+import dataclasses
 import functools
 import itertools
 
@@ -158,9 +159,11 @@ def _head_case(cfg, layout, bias):
     return inp, kw, argnums, want
 
 
-def _sharded_head(m, cfg, impl, layout="hv", bias=False, **extra):
+def _sharded_head(m, cfg, impl, layout="hv", bias=False, fsdp=False, **extra):
     inp, kw, argnums, want = _head_case(cfg, layout, bias)
     mesh, spec = make(m)
+    if fsdp:
+        spec = dataclasses.replace(spec, head_axes=spec.batch_axes[-1:])
 
     def fn(h, w, bb):
         return sharded_grpo_loss_from_hidden(h, w, inp.ids, inp.mask, inp.advantages,
@@ -188,7 +191,9 @@ def test_lm_head_sharded_reference_equals_one_device(m, cfg):
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("m", MESHES[1:], ids=mesh_id)
 def test_lm_head_vh_layout_with_bias(m, impl):
-    _check(*_sharded_head(m, FEW[2], impl, layout="vh", bias=True))
+    """With the head's H split over the last batch axis (``head_axes``, FSDP weights): the
+    xla head keeps it split (its blocks gathered when used), pallas gathers it whole first."""
+    _check(*_sharded_head(m, FEW[2], impl, layout="vh", bias=True, fsdp=True))
 
 
 def test_lm_head_pallas_takes_each_shard_as_a_tpu_stores_it(monkeypatch):
@@ -495,9 +500,9 @@ def test_long_sequence_per_device_temporaries():
     assert long <= 1.2 / 8 * one, (long, one)
 
 
-# (mesh, head axes, config, layout, bias): the head's H split over batch axes (FSDP weights).
-FSDP_RUNS = [(((2, 2, 2), ("dp", "fsdp", "tp")), ("fsdp",), FEW[0], "hv", False),
-             (((2, 2, 2), ("dp", "fsdp", "tp")), ("dp", "fsdp"), FEW[1], "vh", True),
+# (mesh, head axes, config, layout, bias): the head's H split over batch axes (FSDP weights);
+# the "vh" layout with a bias and one head axis: test_lm_head_vh_layout_with_bias.
+FSDP_RUNS = [(((2, 2, 2), ("dp", "fsdp", "tp")), ("dp", "fsdp"), FEW[1], "hv", False),
              (((4, 2), ("fsdp", "tp")), ("fsdp",), HEAD_FAMILY[0], "hv", True),
              (((8, 1), ("fsdp", "tp")), ("fsdp",), FEW[3], "vh", False)]
 
@@ -508,7 +513,7 @@ def test_lm_head_fsdp_weights_equal_one_device(m, head_axes, cfg, layout, bias):
     """``ShardingSpec.head_axes``: the head arrives with H split over batch axes, as tunix
     places it, and stays so (each vocabulary block gathered when used, its dW reduce-scattered
     back); the weight gradient comes back in that layout, equal to one device's (with a bias,
-    an entropy bonus, both layouts, one and two head axes, a vocab axis of 2 and of 1)."""
+    an entropy bonus, both layouts, two head axes, a vocab axis of 2 and of 1)."""
     inp, kw, argnums, want = _head_case(cfg, layout, bias)
     mesh = mesh_from_shape(*m)
     spec = ShardingSpec(tuple(n for n in m[1] if n != "tp"), "tp", head_axes)
