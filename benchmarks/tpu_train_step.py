@@ -53,7 +53,9 @@ from grpo_kernels.rl.kernel import merged_entry
 MODELS = {"qwen2.5-0.5b": (896, 4864, 24, 14, 2, 64, 151_936, True),
           "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 128, 151_936, True),
           "qwen2.5-3b": (2048, 11008, 36, 16, 2, 128, 151_936, True),
-          "qwen2.5-7b": (3584, 18944, 28, 28, 4, 128, 152_064, False)}
+          "qwen2.5-7b": (3584, 18944, 28, 28, 4, 128, 152_064, False),
+          # SmolLM2-135M-Instruct (configs/learn.yaml's model): a Llama, no attention bias
+          "smollm2-135m": (576, 1536, 30, 9, 3, 64, 49_152, True)}
 ARMS = tuple(f"{h}-{i}" for h in ("logits", "fused") for i in tpu_aot.IMPLS)
 F32 = jnp.float32
 
@@ -70,9 +72,11 @@ def model_config(name: str, layers: int, models: dict | None = None):
     from grpo_kernels.models.config import ModelConfig
     hidden, inter, total, heads, kv, head_dim, vocab, tied = (models or MODELS)[name]
     check_layers(name, layers, total)
-    return ModelConfig(family="qwen2", vocab_size=vocab, hidden_size=hidden,
-                       intermediate_size=inter, num_layers=layers, num_heads=heads,
-                       num_kv_heads=kv, head_dim=head_dim, attention_bias=True,
+    llama = name.startswith("smollm2")
+    return ModelConfig(family="llama" if llama else "qwen2", vocab_size=vocab,
+                       hidden_size=hidden, intermediate_size=inter, num_layers=layers,
+                       num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+                       attention_bias=not llama, rope_theta=1e5 if llama else 1e4,
                        tie_word_embeddings=tied, param_dtype=jnp.bfloat16,
                        compute_dtype=jnp.bfloat16)
 
@@ -87,7 +91,7 @@ def kernel_entry(arm: str, generation: str, overrides: dict[str, dict]) -> dict 
 
 
 def step(arm: str, entry: dict | None, device, cfg, rows: int, prompt: int, completion: int,
-         logits_dtype=F32):
+         logits_dtype=F32, remat: bool = False):
     """``(jitted grad_fn, abstract args)`` of one micro-batch on ``device``, the loss with
     the options of the ``loss.kernel`` entry ``entry`` on logits rounded to
     ``logits_dtype``."""
@@ -96,7 +100,7 @@ def step(arm: str, entry: dict | None, device, cfg, rows: int, prompt: int, comp
     from grpo_kernels.models.decoder import empty_decoder
     from grpo_kernels.rl.policy import make_programs
     sh = SingleDeviceSharding(device)
-    graphdef, state = nnx.split(empty_decoder(cfg))
+    graphdef, state = nnx.split(empty_decoder(cfg, remat))
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state)
     from grpo_kernels.rl.kernel import resolve
     head, impl = arm.split("-", 1)
@@ -159,6 +163,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--logits-dtype", choices=DTYPE_CHOICES, default="float32",
                    help="loss.logits_dtype: the dtype the loss's logits are rounded to "
                    "(default: float32)")
+    p.add_argument("--remat", action="store_true",
+                   help="model.remat: recompute each layer in the backward pass")
     p.add_argument("--kernel", action="append", default=[], metavar="ARM.FIELD=VALUE",
                    help="a loss.kernel field on top of the arm's entry, value as YAML "
                    "(logits-pallas.alias_logits=true); repeatable")
@@ -193,11 +199,11 @@ def rows(args: argparse.Namespace, dump: Path):
         topo, devices = tpu_aot.topology(gen)
         entry = kernel_entry(arm, gen, args.overrides)
         fn, a = step(arm, entry, devices[0], cfg, args.rows, args.prompt, args.completion,
-                     parse_dtype(args.logits_dtype))
+                     parse_dtype(args.logits_dtype), args.remat)
         row = {"op": "train-step", "arm": arm, "generation": gen, "topology": topo,
                "device_kind": devices[0].device_kind, "model": args.model,
                "layers": args.layers, "rows": args.rows, "prompt": args.prompt,
-               "completion": args.completion, "vocab": cfg.vocab_size,
+               "completion": args.completion, "vocab": cfg.vocab_size, "remat": args.remat,
                "hidden": cfg.hidden_size, "logits_f32_bytes": n * cfg.vocab_size * 4,
                "logits_dtype": dtype_name(args.logits_dtype),
                "kernel": merged_entry(arm, {arm: entry} if entry else {}) or None}
