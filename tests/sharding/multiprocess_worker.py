@@ -7,8 +7,8 @@ Joins ``jax.distributed`` on 127.0.0.1 with gloo CPU collectives, builds a globa
 (xla) on every loss type at token and sequence level, every other case on a mesh with Explicit
 axes (as ``jax.make_mesh`` makes it) with the inputs split over the batch only, and every other
 pair with the head's ``H`` split over ``dp`` (``head_axes``). Process 0 writes every loss and
-gradient, gathered to the host, into ``OUT.npz``. Each process makes the same inputs from the same seed
-and puts only its own shards on its devices.
+gradient, gathered to the host, into ``OUT.npz``. Each process makes the same inputs from the
+same seed and puts only its own shards on its devices.
 """
 
 from __future__ import annotations

@@ -315,8 +315,8 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadPallasOption
     flip = opts.match_tpu_layout and not row_major_by_default(w.shape)
     layout = {"hv": "vh", "vh": "hv"}[fmt.layout] if flip else fmt.layout
     static = dict(layout=layout, logits_dtype=fmt.logits_dtype, temperature=temperature,
-                  softcap=fmt.softcap, tiles=tiles, interpret=opts.resolved_interpret() if interpret is None
-                  else interpret)
+                  softcap=fmt.softcap, tiles=tiles,
+                  interpret=opts.resolved_interpret() if interpret is None else interpret)
     opts.check_backend(static["interpret"])
 
     def oriented(w):

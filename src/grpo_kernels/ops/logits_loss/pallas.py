@@ -181,7 +181,8 @@ def kernels(vocab: int, dtype, opts: PallasOptions, n: int, softcap: float | Non
 def pieces(shape: tuple[int, ...], dtype, options: PallasOptions | None, temperature: float,
            softcap: float | None = None):
     """``(stats, grad)`` on primals ``(z,)``, ``z`` ``[B, T, V_k]`` logits (soft-capped by
-    ``softcap`` in the kernels), as :func:`..xla.pieces`: ``stats((z,), ids)`` -> ``[B, T]`` ``(logp, lse, entropy)``;
+    ``softcap`` in the kernels), as :func:`..xla.pieces`: ``stats((z,), ids)`` -> ``[B, T]``
+    ``(logp, lse, entropy)``;
     ``grad((z,), hit_ids, lse, row_grad)`` -> ``(dz,)`` where the
     :class:`~grpo_kernels.objective.RowGrad` already carries the loss cotangent."""
     b, t, vocab = shape
