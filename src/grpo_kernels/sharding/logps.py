@@ -69,7 +69,7 @@ def sharded_token_logps(logits: Array, ids: Array, *, mesh: Mesh, sharding: Shar
     tau = check_temperature(temperature)
     spec = resolve(sharding, mesh, b, vocab, "logits")
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
-    softcap = check_softcap(logit_softcap, impl)
+    softcap = check_softcap(logit_softcap)
     ids = check_token_ids(ids, b, t, vocab, check_ids)
     return _run(logits_kind(softcap), (logits,), (spec.logits(),), ids, mesh=mesh, spec=spec,
                 impl=impl, options=options, vocab=vocab, temperature=tau,
@@ -117,7 +117,7 @@ def sharded_token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *
     """
     impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
     fmt = head_api.validate_head(hidden, lm_head, lm_head_layout, bias, logits_dtype,
-                                 logit_softcap, impl)
+                                 logit_softcap)
     b, t, _ = hidden.shape
     vocab = fmt.vocab(lm_head)
     tau = check_temperature(temperature)

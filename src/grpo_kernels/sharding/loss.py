@@ -299,7 +299,7 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
     b, _, vocab = logits.shape
     spec = resolve(sharding, mesh, b, vocab, "logits")
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
-    softcap = check_softcap(logit_softcap, impl)
+    softcap = check_softcap(logit_softcap)
     if check_ids:
         check_ids_in_range(ids, mask, vocab)
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
@@ -375,7 +375,7 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
     impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
     fmt = head_api.validate_call(hidden, lm_head, ids, mask, advantages, config, old_logps,
                                  ref_logps, lm_head_layout, bias, logits_dtype,
-                                 sampler_weights, sampler_logps, logit_softcap, impl)
+                                 sampler_weights, sampler_logps, logit_softcap)
     vocab = fmt.vocab(lm_head)
     spec = head_spec(resolve(sharding, mesh, hidden.shape[0], vocab, "hidden/lm_head"), mesh,
                      impl, hidden.shape[-1])

@@ -96,10 +96,8 @@ def validate_token_inputs(
                          f"(sampler_correction={config.sampler_correction!r})")
 
 
-def check_softcap(value: Any, impl: str | None = None) -> float | None:
-    """``logit_softcap`` as a float (or None); ValueError unless None or a finite number > 0.
-    Every implementation takes it (``impl`` is not consulted)."""
-    del impl
+def check_softcap(value: Any) -> float | None:
+    """``logit_softcap`` as a float (or None); ValueError unless None or a finite number > 0."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) \

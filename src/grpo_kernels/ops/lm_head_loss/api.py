@@ -43,18 +43,16 @@ def _float_dtype(name: str, x: Any) -> None:
 
 
 def validate_head(hidden: Any, lm_head: Any, layout: Any, bias: Any,
-                  logits_dtype: Any, logit_softcap: Any = None,
-                  impl: str | None = None) -> HeadFormat:
+                  logits_dtype: Any, logit_softcap: Any = None) -> HeadFormat:
     """Checks the head arguments; returns their :class:`HeadFormat` (``logits_dtype``
     resolved). ValueError names the argument.
 
     Allowed dtypes: ``hidden``, ``lm_head`` and ``bias`` each bfloat16, float16 or float32, in
     any mix. Matmuls accumulate in float32; a mix computes in float32 (the narrower operand is
     upcast, ``lm_head`` once per call) and gives float32 logits unless ``logits_dtype`` says
-    otherwise. ``logit_softcap``: :func:`~grpo_kernels.ops.core.validate.check_softcap` (for
-    ``impl``).
+    otherwise. ``logit_softcap``: :func:`~grpo_kernels.ops.core.validate.check_softcap`.
     """
-    softcap = check_softcap(logit_softcap, impl)
+    softcap = check_softcap(logit_softcap)
     _float_dtype("hidden", hidden)
     _float_dtype("lm_head", lm_head)
     if hidden.ndim != 3:
@@ -94,11 +92,10 @@ def validate_head(hidden: Any, lm_head: Any, layout: Any, bias: Any,
 def validate_call(hidden: Any, lm_head: Any, ids: Any, mask: Any, advantages: Any, config: Any,
                   old_logps: Any, ref_logps: Any, layout: Any, bias: Any,
                   logits_dtype: Any, sampler_weights: Any = None,
-                  sampler_logps: Any = None, logit_softcap: Any = None,
-                  impl: str | None = None) -> HeadFormat:
+                  sampler_logps: Any = None, logit_softcap: Any = None) -> HeadFormat:
     """Every check of a fused call (the head's, then the logits-level ones on the logits it
     would form); returns the head's format."""
-    fmt = validate_head(hidden, lm_head, layout, bias, logits_dtype, logit_softcap, impl)
+    fmt = validate_head(hidden, lm_head, layout, bias, logits_dtype, logit_softcap)
     b, t, _ = hidden.shape
     validate_token_inputs(jax.ShapeDtypeStruct((b, t, fmt.vocab(lm_head)), fmt.logits_dtype),
                           ids, mask, advantages, config, old_logps, ref_logps, sampler_weights,
@@ -196,7 +193,7 @@ def grpo_loss_from_hidden(
     impl = resolve_impl(impl, options, OPTION_TYPES, default_impl)
     fmt = validate_call(hidden, lm_head, ids, mask, advantages, config, old_logps, ref_logps,
                         lm_head_layout, bias, logits_dtype, sampler_weights, sampler_logps,
-                        logit_softcap, impl)
+                        logit_softcap)
     if check_ids:
         check_ids_in_range(ids, mask, fmt.vocab(lm_head))
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,

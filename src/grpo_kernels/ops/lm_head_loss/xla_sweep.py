@@ -19,7 +19,7 @@ from grpo_kernels.compat import vary_like
 from grpo_kernels.ops.core.dtypes import cast_to
 from grpo_kernels.objective import RowGrad
 from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, sweep
-from grpo_kernels.ops.core.online_softmax import soft_cap, soft_cap_grad, softmax_grad
+from grpo_kernels.ops.core.online_softmax import soft_cap, softmax_grad, with_cap_grad
 from grpo_kernels.ops.lm_head_loss.head import delta_dtype, matmul
 
 Array = jax.Array
@@ -184,8 +184,7 @@ def logits_delta(s: Array, ids: Array, row: RowGrad, lse: Array, head: Head,
     hit = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) == (ids - col)[:, None]
     r = row.map(lambda x: x[:, None])
     d = softmax_grad(s - lse[:, None], hit, r.g, r.h, r.entropy)
-    if head.softcap is not None:
-        d = d * soft_cap_grad(s * temperature, head.softcap)
+    d = with_cap_grad(d, s * temperature, head.softcap)
     return cast_to(d, delta_dtype(head.logits_dtype, head.w.dtype))
 
 
@@ -454,8 +453,7 @@ def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array
 
     dw = vary_like(jnp.zeros(head.w.shape, dtype), *like)
     db = None if head.bias is None else vary_like(jnp.zeros((vocab,), _F32), *like)
-    dh = vary_like(jnp.zeros(h.shape, _F32), *like) \
-        if with_dh else None
+    dh = vary_like(jnp.zeros(h.shape, _F32), *like) if with_dh else None
     if dtype.itemsize != 2:
         dw, (db, dh) = columns(0, vocab, dw, (db, dh))
     else:

@@ -138,7 +138,7 @@ def grpo_loss(
     validate_token_inputs(logits, ids, mask, advantages, config, old_logps, ref_logps,
                           sampler_weights, sampler_logps)
     impl = resolve_impl(impl, options, OPTION_TYPES, default_impl)
-    softcap = check_softcap(logit_softcap, impl)
+    softcap = check_softcap(logit_softcap)
     if check_ids:
         check_ids_in_range(ids, mask, logits.shape[-1])
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,

@@ -142,7 +142,6 @@ def edge_stats(x_ref, vocab: int, align: int, full: int, block_vocab: int, width
                                           for _, x, _, mask in segments])
 
 
-
 def store_edge_grad(x_ref, o_ref, vocab: int, align: int, full: int, block_vocab: int,
                     width: int, inv_tau: float, y, lse, coef, hcoef, ent, row=None,
                     cap: float | None = None) -> None:
@@ -155,7 +154,6 @@ def store_edge_grad(x_ref, o_ref, vocab: int, align: int, full: int, block_vocab
         d = softmax_grad(capped * inv_tau - lse, cols == y, coef, hcoef, ent)
         d = with_cap_grad(d, capped, cap).astype(o_ref.dtype)
         plgpu.store(o_ref.at[pl.ds(start, x.shape[0])], d, mask=mask)
-
 
 
 def not_chosen_grad(p, t, a, hc2):

@@ -46,7 +46,7 @@ from grpo_kernels.objective import RowGrad
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import cast_to
 from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, sweep
-from grpo_kernels.ops.core.online_softmax import soft_cap, soft_cap_grad, softmax_grad
+from grpo_kernels.ops.core.online_softmax import soft_cap, softmax_grad, with_cap_grad
 from grpo_kernels.ops.core.options import check_int
 from grpo_kernels.ops.core.platform import by_platform
 from grpo_kernels.ops.core.vjp import loss_with_gradient
@@ -229,7 +229,7 @@ def logits_gradient(z: Array, ids: Array, lse: Array, grad: RowGrad,
     r"""``dL/dz`` in the dtype of ``z [..., V]``: :func:`softmax_grad` of ``u = z / tau - lse``
     with the row factors of ``grad`` over ``tau``; without an entropy term,
     ``(g / tau) (onehot(ids) - exp(u))``. With ``softcap`` ``z`` is capped first and the
-    result multiplied by the cap's derivative (:func:`soft_cap_grad`).
+    result multiplied by the cap's derivative (:func:`with_cap_grad`).
 
     ``ids``, ``lse`` and ``grad``'s arrays have the shape of ``z`` without its last axis. A
     single elementwise expression: XLA fuses it (and any later scaling) into one kernel.
@@ -238,7 +238,7 @@ def logits_gradient(z: Array, ids: Array, lse: Array, grad: RowGrad,
     capped = soft_cap(z.astype(_F32), softcap)
     u = capped / temperature - lse[..., None]
     hit = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) == ids[..., None]
-    d = softmax_grad(u, hit, row.g, row.h, row.entropy) * soft_cap_grad(capped, softcap)
+    d = with_cap_grad(softmax_grad(u, hit, row.g, row.h, row.entropy), capped, softcap)
     return cast_to(d, z.dtype)
 
 

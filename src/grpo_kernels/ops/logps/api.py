@@ -126,7 +126,7 @@ def token_logps(logits: Array, ids: Array, *, temperature: float = 1.0,
     b, t, vocab = check_logits(logits)
     tau = check_temperature(temperature)
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
-    softcap = check_softcap(logit_softcap, impl)
+    softcap = check_softcap(logit_softcap)
     ids = check_token_ids(ids, b, t, vocab, check_ids)
     if impl == "reference":
         logp, ent = token_logp_and_entropy(logits, ids, tau, softcap)
@@ -191,7 +191,7 @@ def token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *,
     """
     impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
     fmt = head_api.validate_head(hidden, lm_head, lm_head_layout, bias, logits_dtype,
-                                 logit_softcap, impl)
+                                 logit_softcap)
     b, t, _ = hidden.shape
     vocab = fmt.vocab(lm_head)
     tau = check_temperature(temperature)
