@@ -19,8 +19,11 @@ from tests.helpers import (as64, family_grid, family_id, grid_id, loss_grid_spli
 
 FAST = [i for i in IMPLEMENTATIONS if i != "reference"]
 B, T, V = 3, 13, 301
-TOL = {jnp.float32: dict(loss=2e-6, grad=2e-5, metric=2e-5),
-       jnp.bfloat16: dict(loss=2e-5, grad=1e-2, metric=2e-5)}
+# The loss's relative tolerance in float32 is 1e-5: a loss of a few units that goes through
+# exponentials (vespo's weights) lands 1-2e-6 from the float64 oracle in either program, on
+# either side of it (B=3, T=8, V=1513, seed 0: reference -1.3e-6, xla +2.0e-6).
+TOL = {jnp.float32: dict(loss=2e-6, loss_rtol=1e-5, grad=2e-5, metric=2e-5),
+       jnp.bfloat16: dict(loss=2e-5, loss_rtol=2e-5, grad=1e-2, metric=2e-5)}
 METRICS = ("entropy", "kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region",
            "policy_loss", "kl_loss")
 
@@ -31,7 +34,8 @@ def assert_matches_reference(impl, inp, cfg, metrics=METRICS, **kw):
     loss_k, m_k, g_k = value_and_grad(impl, inp, cfg, **kw)
     assert g_k.dtype == inp.logits.dtype and g_k.shape == inp.logits.shape
     assert np.isfinite(float(loss_k)) and bool(jnp.all(jnp.isfinite(g_k.astype(jnp.float32))))
-    np.testing.assert_allclose(float(loss_k), float(loss_r), rtol=tol["loss"], atol=tol["loss"])
+    np.testing.assert_allclose(float(loss_k), float(loss_r), rtol=tol["loss_rtol"],
+                               atol=tol["loss"])
     assert rel_err(g_k, g_r) <= tol["grad"]
     for key in ("logp", "token_entropy"):
         np.testing.assert_allclose(as64(m_k[key]), as64(m_r[key]), atol=tol["metric"] * 10,
