@@ -1,7 +1,7 @@
 """What the entropy terms cost: one process, default options against entropy_coef and
 top_entropy_quantile, for the logits op and the fused LM head.
 
-    python benchmarks/entropy_overhead.py                  # issue 19's shapes
+    python benchmarks/entropy_overhead.py                  # the default shapes
     python benchmarks/entropy_overhead.py --iters 3 --json out.json
 
 Logits op: `jit(value_and_grad)` at B=4, T=1024, V=32,768 bf16 (the bench shape), reference

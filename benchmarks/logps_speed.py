@@ -36,7 +36,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from timing import median_ms
+from grpo_kernels.proof.timing import median_ms
 
 
 def plain_logps(z, ids):

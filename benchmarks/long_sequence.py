@@ -1,4 +1,4 @@
-"""Long sequences through the fused LM-head loss (issue 21).
+"""Long sequences through the fused LM-head loss.
 
     python benchmarks/long_sequence.py plan            # planned temporaries, compile-only
     python benchmarks/long_sequence.py run             # a real step at T = 131,072 (minutes)

@@ -46,39 +46,11 @@ import tpu_aot
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.ops.core.dtypes import DTYPE_CHOICES, dtype_name, parse_dtype
 from grpo_kernels.ops.core.tpu import GENERATIONS
+from grpo_kernels.proof.shapes import MODELS, model_config
 from grpo_kernels.rl.kernel import merged_entry
 
-# Qwen2.5 shapes (the published configs): hidden, intermediate, layers, heads, KV heads, head
-# dim, vocabulary (the embedding's rows), tied embedding.
-MODELS = {"qwen2.5-0.5b": (896, 4864, 24, 14, 2, 64, 151_936, True),
-          "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 128, 151_936, True),
-          "qwen2.5-3b": (2048, 11008, 36, 16, 2, 128, 151_936, True),
-          "qwen2.5-7b": (3584, 18944, 28, 28, 4, 128, 152_064, False),
-          # SmolLM2-135M-Instruct (configs/learn.yaml's model): a Llama, no attention bias
-          "smollm2-135m": (576, 1536, 30, 9, 3, 64, 49_152, True)}
 ARMS = tuple(f"{h}-{i}" for h in ("logits", "fused") for i in tpu_aot.IMPLS)
 F32 = jnp.float32
-
-
-def check_layers(name: str, layers: int, total: int) -> None:
-    """ValueError, worded for ``--layers``, unless ``1 <= layers <= total`` (``name``'s)."""
-    if not 1 <= layers <= total:
-        raise ValueError(f"--layers must be in [1, {total}] for {name}, got {layers}")
-
-
-def model_config(name: str, layers: int, models: dict | None = None):
-    """The ``ModelConfig`` of shape ``name`` (of ``models``, default :data:`MODELS`), its
-    first ``layers`` layers, bf16 parameters and compute."""
-    from grpo_kernels.models.config import ModelConfig
-    hidden, inter, total, heads, kv, head_dim, vocab, tied = (models or MODELS)[name]
-    check_layers(name, layers, total)
-    llama = name.startswith("smollm2")
-    return ModelConfig(family="llama" if llama else "qwen2", vocab_size=vocab,
-                       hidden_size=hidden, intermediate_size=inter, num_layers=layers,
-                       num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
-                       attention_bias=not llama, rope_theta=1e5 if llama else 1e4,
-                       tie_word_embeddings=tied, param_dtype=jnp.bfloat16,
-                       compute_dtype=jnp.bfloat16)
 
 
 def kernel_entry(arm: str, generation: str, overrides: dict[str, dict]) -> dict | None:

@@ -41,53 +41,11 @@ from jax.sharding import SingleDeviceSharding
 import tpu_aot
 import tpu_train_step
 
+from grpo_kernels.proof.shapes import GEMMA3, algo_config, tunix_config, tunix_model
+
 ARMS = ("tunix", "xla", "pallas", "pallas-unaliased", "pallas-model", "fused-xla",
         "fused-pallas")
-# --model names of tunix's Gemma3 presets (bf16 parameters, vocabulary 262,144).
-GEMMA3 = {"gemma3-1b": "gemma3_1b_pt", "gemma3-4b": "gemma3_4b_pt"}
 PAD, EOS = 0, 1
-
-
-def gemma3_config(name: str, layers: int):
-    """tunix's own Gemma3 preset ``name`` (:data:`GEMMA3`), its first ``layers`` layers."""
-    from tunix.models.gemma3 import model as gemma3
-
-    c = getattr(gemma3.ModelConfig, GEMMA3[name])()
-    tpu_train_step.check_layers(name, layers, c.num_layers)
-    return dataclasses.replace(c, num_layers=layers)
-
-
-def model_config(name: str, layers: int):
-    """The config of ``name``'s first ``layers`` layers: a Qwen2.5 shape or a Gemma3 preset."""
-    if name in GEMMA3:
-        return gemma3_config(name, layers)
-    return tpu_train_step.model_config(name, layers)
-
-
-def tunix_model(name: str, layers: int, abstract: bool = True, seed: int = 0,
-                models: dict | None = None):
-    """A tunix model of the shape ``name``, its first ``layers`` layers (a Qwen2 of a Qwen2.5
-    shape, of ``models``, default ``tpu_train_step.MODELS``, or tunix's Gemma3 preset), and its
-    vocabulary: abstract (``nnx.eval_shape``), or with random weights drawn from ``seed``."""
-    from flax import nnx
-
-    build = nnx.eval_shape if abstract else (lambda f: f())
-    if name in GEMMA3:
-        from tunix.models.gemma3 import model as gemma3
-
-        c = model_config(name, layers)
-        return build(lambda: gemma3.Gemma3(c, rngs=nnx.Rngs(seed))), c.num_embed
-    from tunix.models.qwen2 import model as qwen2
-
-    c = tpu_train_step.model_config(name, layers, models)
-
-    config = qwen2.ModelConfig(
-        num_layers=layers, vocab_size=c.vocab_size, embed_dim=c.hidden_size,
-        hidden_dim=c.intermediate_size, num_heads=c.num_heads, head_dim=c.head_dim,
-        num_kv_heads=c.num_kv_heads, rope_theta=1_000_000, norm_eps=1e-6,
-        use_tied_embedding=c.tie_word_embeddings, dtype=jnp.bfloat16,
-        param_dtype=jnp.bfloat16)
-    return build(lambda: qwen2.Qwen2(config, rngs=nnx.Rngs(seed))), c.vocab_size
 
 
 def loss_fn(arm: str, generation: str):
@@ -113,16 +71,6 @@ def loss_fn(arm: str, generation: str):
         return functools.partial(ours.fused_policy_loss, impl=impl, options=options)
     return functools.partial(ours.logits_policy_loss, impl=impl, options=options,
                              logits_from="model" if arm == "pallas-model" else "auto")
-
-
-def algo_config():
-    """The GRPO config of every arm: beta 0.04, token-mean, low_var_kl, epsilon 0.2."""
-    from tunix.rl.grpo.grpo_learner import GRPOConfig
-
-    config = GRPOConfig(loss_agg_mode="token-mean", kl_loss_mode="low_var_kl", loss_algo="grpo",
-                        beta=0.04, epsilon=0.2, num_generations=2)
-    config.temperature = 1.0  # tunix's learner copies the rollout's temperature here
-    return config
 
 
 def step(arm: str, generation: str, device, model, rows: int, prompt: int, completion: int):
@@ -154,7 +102,7 @@ def step(arm: str, generation: str, device, model, rows: int, prompt: int, compl
 def parse_args(argv=None) -> argparse.Namespace:
     p = tpu_train_step.shape_parser(__doc__, ARMS, [*sorted(tpu_train_step.MODELS), *GEMMA3])
     args = p.parse_args(argv)
-    tpu_train_step.check_shape(p, args, model_config)
+    tpu_train_step.check_shape(p, args, tunix_config)
     return args
 
 

@@ -31,6 +31,8 @@ import time
 import tpu_aot
 import tpu_train_step as tts
 
+from grpo_kernels.proof import shapes
+
 ARMS = ("logits-reference", "fused-xla", "floor")
 
 
@@ -38,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 2)[2])
-    p.add_argument("--model", choices=sorted(tts.MODELS), default="smollm2-135m",
+    p.add_argument("--model", choices=sorted(shapes.RUN_MODELS), default="smollm2-135m",
                    help="the model's shape (default: smollm2-135m, configs/learn.yaml's)")
     p.add_argument("--layers", type=int, help="decoder layers kept, the first N (default: all)")
     p.add_argument("--rows", type=int, default=16, help="rows of the micro-batch (default: 16)")
@@ -54,13 +56,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--libtpu", help="libtpu.so for --tpu (default: as tpu_train_step.py)")
     p.add_argument("--out", help="also append the JSON lines to this file")
     args = p.parse_args(argv)
-    total = tts.MODELS[args.model][2]
+    total = shapes.RUN_MODELS[args.model][2]
     args.layers = total if args.layers is None else args.layers
     for name in ("rows", "prompt", "completion", "iters"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     try:
-        tts.check_layers(args.model, args.layers, total)
+        shapes.check_layers(args.model, args.layers, total)
     except ValueError as e:
         p.error(str(e))
     return args
@@ -170,7 +172,7 @@ def main(argv=None) -> int:
         return 2
     import jax
     import jax.numpy as jnp
-    cfg = tts.model_config(args.model, args.layers)
+    cfg = shapes.model_config(args.model, args.layers, shapes.RUN_MODELS)
     cfg = dataclasses.replace(cfg, param_dtype=jnp.dtype(args.param_dtype).type)
     device = tpu_aot.topology(args.tpu)[1][0] if args.tpu else jax.devices()[0]
     graphdef, a = inputs(cfg, args, device, concrete=not args.tpu)

@@ -45,8 +45,7 @@ def test_plans_pick_their_groups():
         "16384x16x132x1,16384x16x132x3,8192x16x132x2,8192x8x264x1,8192x8x132x2,"
         "16384x16x132x2x0")
     # Every tiling of the plan parses as the sweep's script parses it.
-    sys.path.insert(0, str(proof.benchmarks_dir()))
-    import gpu_layouts
+    from grpo_kernels.proof import gpu_layouts
     assert len(gpu_layouts.one_pass_list(argv[argv.index("--one-pass-tilings") + 1])) == 6
 
 
@@ -271,8 +270,12 @@ class Blocker(importlib.abc.MetaPathFinder):
             raise ImportError("the loss/bench path imported " + name)
 sys.meta_path.insert(0, Blocker())
 sys.argv = sys.argv[1:]
-runpy.run_module("grpo_kernels.cli.main", run_name="__main__") if sys.argv[0] == "-m" else \\
+if sys.argv[0] == "-m":
+    runpy.run_module("grpo_kernels.cli.main", run_name="__main__")
+elif sys.argv[0].endswith(".py"):
     runpy.run_path(sys.argv[0], run_name="__main__")
+else:
+    runpy.run_module(sys.argv[0], run_name="__main__")
 """
 
 
@@ -282,18 +285,18 @@ runpy.run_module("grpo_kernels.cli.main", run_name="__main__") if sys.argv[0] ==
      "--iters", "1", "--warmup", "0", "--format", "json"],
     ["-m", "bench-lm-head", "--impl", "xla", "--batch", "1", "--time", "4", "--hidden", "8",
      "--vocab", "64", "--iters", "1", "--warmup", "0", "--format", "json"],
-    ["benchmarks/head_gradcheck.py", "--batch", "1", "--time", "4", "--hidden", "8",
+    ["grpo_kernels.proof.head_gradcheck", "--batch", "1", "--time", "4", "--hidden", "8",
      "--vocab", "64"],
-    ["benchmarks/copy_bandwidth.py", "--rows", "4", "--vocab", "64"],
-    ["benchmarks/gpu_layouts.py", "--shapes", "4x64", "--iters", "1", "--rounds", "1"],
-    ["benchmarks/gpu_ncu_step.py", "--impl", "xla", "--batch", "1", "--time", "4", "--vocab",
+    ["grpo_kernels.proof.copy_bandwidth", "--rows", "4", "--vocab", "64"],
+    ["grpo_kernels.proof.gpu_layouts", "--shapes", "4x64", "--iters", "1", "--rounds", "1"],
+    ["benchmarks/probes/gpu_ncu_step.py", "--impl", "xla", "--batch", "1", "--time", "4", "--vocab",
      "64", "--warmup", "1", "--iters", "2"],
 ], ids=["gradcheck", "bench", "bench-lm-head", "head_gradcheck", "copy_bandwidth",
         "gpu_layouts", "gpu_ncu_step"])
 def test_the_proof_path_needs_no_trainer_dependency(argv):
     """What the accelerator host lacks (flax, optax, wandb, ... and torch) is never imported."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT / "src")]))
+               PYTHONPATH=str(ROOT / "src"))
     r = subprocess.run([sys.executable, "-c", _BLOCKER, *argv], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -390,15 +393,13 @@ def test_the_step_plan_and_its_dry_twin():
     assert proof.plan_of("real", True) is proof.DRY is proof.plan_of("dry", False)
     # Every script phase's arguments parse as its script parses them; each compile phase
     # fills the cache its memory phase reads.
-    sys.path.insert(0, str(proof.benchmarks_dir()))
-    import gpu_train_step
-    import gpu_tunix_step
+    from grpo_kernels.proof import gpu_train_step, gpu_tunix_step
     argv = {n: a for n, a, _ in proof.phases(set(proof.STEP.groups), proof.STEP)}
     for name, a in argv.items():
         if name.startswith("train_"):
-            assert gpu_train_step.parse_args(a[2:]).layers == proof.STEP.step_layers
+            assert gpu_train_step.parse_args(a[3:]).layers == proof.STEP.step_layers
         elif name.startswith("tunix_"):
-            assert gpu_tunix_step.parse_args(a[2:]).rows == proof.STEP.step_batch[0]
+            assert gpu_tunix_step.parse_args(a[3:]).rows == proof.STEP.step_batch[0]
         elif name.startswith("compile_"):
             memory = argv["memory_" + name[len("compile_"):]]
             cache = a[a.index("--compile-cache") + 1]

@@ -113,8 +113,9 @@ def test_replace_validates_again():
         c.replace(**{"rollout.batch_size": 7})
 
 
-TRAINING_CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml"))
-                          if os.path.basename(p) != "gradcheck.yaml")
+TRAINING_CONFIGS = sorted([*(p for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml"))
+                             if os.path.basename(p) != "gradcheck.yaml"),
+                           os.path.join(ROOT, "src", "grpo_kernels", "proof", "gpu_ab.yaml")])
 
 
 def test_training_configs_are_shipped():

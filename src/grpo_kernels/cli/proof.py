@@ -17,16 +17,18 @@ times the GPU kernel designs against each other: the two layouts and the one-pas
 one-pass kernel's tiling sweep and the aligned layout's.
 The ``step`` plan times training steps instead of ops, each arm in its own process so that
 the device's peak is the arm's: the trainer's update of a Qwen2.5-1.5B-shaped model for every
-loss arm (``benchmarks/gpu_train_step.py``), tunix's update with tunix's loss and ours
-(``gpu_tunix_step.py``), the fused head in both ``dweight`` modes beside Liger's fused loss
-eager and compiled (its device peak measured with the program loaded from a compile cache, so
-that XLA:GPU's compile-time autotuning is not counted), and a short trainer A/B
-(``grpo-kernels ab --processes per-arm``, ``configs/gpu_ab.yaml``).
+loss arm (:mod:`grpo_kernels.proof.gpu_train_step`), tunix's update with tunix's loss and
+ours (:mod:`~grpo_kernels.proof.gpu_tunix_step`), the fused head in both ``dweight`` modes
+beside Liger's fused loss eager and compiled (its device peak measured with the program
+loaded from a compile cache, so that XLA:GPU's compile-time autotuning is not counted), and a
+short trainer A/B
+(``grpo-kernels ab --processes per-arm``, ``grpo_kernels/proof/gpu_ab.yaml``).
 A failing phase is recorded and the next one still runs. ``DIR/proof.log`` gets every phase's
 output; ``DIR/proof.json`` (rewritten after each phase, so a crash keeps what finished) the
 records, the machine, the derived figures and each target met or missed;
-``DIR/proof.md`` the tables for docs/benchmarks.md. The phases that are scripts live in the
-checkout's ``benchmarks/`` folder, so the command runs from a source checkout.
+``DIR/proof.md`` the tables for docs/benchmarks.md. Each phase is a module of
+:mod:`grpo_kernels.proof` run as ``python -m``, so the command runs from an installed wheel
+as well as from a checkout.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class Plan:
     name: str
     logits_shapes: tuple[tuple[int, int], ...] = ((1, 2048), (4, 1024))
     vocab: int = 151643
-    # The GPU layouts' A/B (benchmarks/gpu_layouts.py): N x V; 151,936 is Qwen's padded
+    # The GPU layouts' A/B (proof/gpu_layouts.py): N x V; 151,936 is Qwen's padded
     # vocabulary, whose rows are 16-byte aligned in either layout.
     layout_shapes: tuple[tuple[int, int], ...] = (
         (2048, 151643), (4096, 151643), (2048, 151936))
@@ -78,7 +80,7 @@ class Plan:
     memory_impls: tuple[str, ...] = ("reference", "xla", "pallas")
     iters: int = 20
     head_iters: int = 10
-    # The step plan. The trainer's update (benchmarks/gpu_train_step.py) and tunix's
+    # The step plan. The trainer's update (proof/gpu_train_step.py) and tunix's
     # (gpu_tunix_step.py): model shape, layers kept, rows x (prompt + completion), the arms.
     step_model: str = "qwen2.5-1.5b"
     step_layers: int = 4
@@ -91,7 +93,7 @@ class Plan:
     # The trainer's A/B (configs/gpu_ab.yaml): steps per arm and --set overrides.
     ab_steps: int = 3
     ab_sets: tuple[str, ...] = ()
-    # The fused head beside Liger at ``head``: our variants (liger_gpu_peer.py
+    # The fused head beside Liger at ``head``: our variants (liger_peer.py
     # --head-variants: dweight mode @ chunk rows), and those whose device peak is measured
     # (dweight, chunk rows or None for the planner's): each compiled in one process, then
     # loaded from the compile cache and run in another, whose peak is the step's alone.
@@ -139,21 +141,15 @@ def plan_of(name: str, dry_run: bool) -> Plan:
     return DRY_PLANS.get(name, DRY) if dry_run or name == "dry" else PLANS[name]
 
 
-def benchmarks_dir() -> Path:
-    """The checkout's ``benchmarks/`` folder (the proof's script phases)."""
-    path = Path(__file__).resolve().parents[3] / "benchmarks"
-    if not (path / "device_memory.py").is_file():
-        raise ValueError(f"grpo-kernels proof runs from a source checkout installed with "
-                         f"`pip install -e .`: no benchmarks/ folder at {path}")
-    return path
-
-
 def _cli(*args: object) -> list[str]:
     return [sys.executable, "-m", "grpo_kernels.cli.main", *map(str, args)]
 
 
 def _script(name: str, *args: object) -> list[str]:
-    return [sys.executable, str(benchmarks_dir() / name), *map(str, args)]
+    """The command that runs the phase module ``grpo_kernels.proof.<name>`` (``name``: its
+    file name)."""
+    return [sys.executable, "-m", f"grpo_kernels.proof.{name.removesuffix('.py')}",
+            *map(str, args)]
 
 
 _VERSIONS = (
@@ -184,7 +180,7 @@ def phases(groups: set[str], plan: Plan = REAL) -> list[tuple[str, list[str], in
         return ["--batch", b, "--time", t, "--vocab", v, "--dtype", "bfloat16"]
 
     def layouts(*extra: object) -> list[str]:
-        """benchmarks/gpu_layouts.py at the plan's layout shapes."""
+        """proof/gpu_layouts.py at the plan's layout shapes."""
         return _script("gpu_layouts.py", "--shapes",
                        ",".join(f"{n}x{v}" for n, v in plan.layout_shapes),
                        "--iters", plan.iters, *extra)
@@ -233,8 +229,8 @@ def phases(groups: set[str], plan: Plan = REAL) -> list[tuple[str, list[str], in
     if "liger" in groups:
         for b, t in plan.logits_shapes:
             out.append((f"liger_logits_B{b}_T{t}",
-                        _script("liger_gpu_peer.py", "--op", "logits", *shape(b, t)), 180))
-        out.append(("liger_lm_head", _script("liger_gpu_peer.py", "--op", "lm_head", *head,
+                        _script("liger_peer.py", "--op", "logits", *shape(b, t)), 180))
+        out.append(("liger_lm_head", _script("liger_peer.py", "--op", "lm_head", *head,
                                              "--dtype", "bfloat16"), 240))
     return out
 
@@ -261,14 +257,14 @@ def step_phases(groups: set[str], plan: Plan, head: list[object]
             out.append((f"compile_{name}", _script("device_memory.py", *argv, *report), 120))
             out.append((f"memory_{name}", _script("device_memory.py", *argv), 120))
         out.append(("liger_head_modes", _script(
-            "liger_gpu_peer.py", "--op", "lm_head", *head, "--dtype", "bfloat16",
+            "liger_peer.py", "--op", "lm_head", *head, "--dtype", "bfloat16",
             "--head-variants", plan.head_variants, "--liger-modes", "eager,compiled",
             "--iters", plan.head_iters, "--warmup", 2), 300))
     if "tunix" in groups:
         out += [(f"tunix_{arm}", _script("gpu_tunix_step.py", "--arm", arm, *shape), 150)
                 for arm in plan.tunix_arms]
     if "ab" in groups:
-        out.append(("ab", _cli("ab", "--config", configs_dir() / "gpu_ab.yaml",
+        out.append(("ab", _cli("ab", "--config", ab_config(),
                                "--arms", "logits-reference,fused-xla", "--processes", "per-arm",
                                "--steps", plan.ab_steps, "--json", "--no-progress",
                                "--run-dir", f"{SCRATCH}/ab", "--set",
@@ -283,22 +279,23 @@ def step_phases(groups: set[str], plan: Plan, head: list[object]
 SCRATCH, TOKENIZER, OUT_DIR = "@SCRATCH@", "@TOKENIZER@", "@OUT@"
 
 
-def configs_dir() -> Path:
-    """The checkout's ``configs/`` folder (the step plan's A/B config)."""
-    return benchmarks_dir().parent / "configs"
+def ab_config() -> Path:
+    """The step plan's A/B config, shipped in the package (``grpo_kernels/proof/gpu_ab.yaml``)."""
+    return Path(__file__).resolve().parents[1] / "proof" / "gpu_ab.yaml"
 
 
 def default_tokenizer(plan: Plan) -> str:
     """The A/B's tokenizer when --tokenizer is not given: the dry run's the embedded
     SmolLM2 GGUF's (a tiny random model learns nothing either way); the step plan's Qwen2.5's,
-    from ``.whl/qwen2.5-tokenizer`` in the checkout (``make proof-wheels`` copies it there)."""
+    from ``.whl/qwen2.5-tokenizer`` under the working directory (``make proof-wheels`` copies
+    it there)."""
     if plan.name.startswith("dry"):
         from grpo_kernels.models.gguf_loader import smollm2_path
         try:
             return smollm2_path()
         except (ImportError, ValueError, OSError):
             return ""
-    return str(benchmarks_dir().parent / ".whl" / "qwen2.5-tokenizer")
+    return str(Path.cwd() / ".whl" / "qwen2.5-tokenizer")
 
 
 def _fill(cmd: list[str], values: dict[str, str]) -> list[str]:
@@ -348,8 +345,6 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(benchmarks_dir()),
-                                                      env.get("PYTHONPATH")]))
     tokenizer = args.tokenizer or default_tokenizer(plan)
     start = time.perf_counter()
     records: list[dict] = []
@@ -423,7 +418,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    f"{','.join(REAL.groups)}; dry: all op groups)")
     p.add_argument("--tokenizer", default=None,
                    help="the step plan's A/B: a tokenizer directory or GGUF file (default: "
-                   ".whl/qwen2.5-tokenizer in the checkout; the dry run: SmolLM2's GGUF)")
+                   ".whl/qwen2.5-tokenizer under the working directory; the dry run: "
+                   "SmolLM2's GGUF)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="phases that would start after this many seconds are skipped "
                    "(recorded as such)")

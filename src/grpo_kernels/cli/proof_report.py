@@ -260,7 +260,7 @@ def head_peer(records: list[dict], memory: dict[str, Any]) -> dict[str, Any]:
 
 
 def _variant(key: str) -> str:
-    """A head-memory phase's ``<dweight>[_<rows>]`` as liger_gpu_peer.py names the variant."""
+    """A head-memory phase's ``<dweight>[_<rows>]`` as liger_peer.py names the variant."""
     dweight, _, rows = key.partition("_")
     return f"xla-{dweight}" + (f"@{rows}" if rows else "")
 

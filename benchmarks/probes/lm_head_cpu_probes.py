@@ -1,6 +1,6 @@
 """Measurements behind the CPU notes of docs/lm_head.md, in one process.
 
-    python benchmarks/lm_head_cpu_probes.py [--iters 3]
+    python benchmarks/probes/lm_head_cpu_probes.py [--iters 3]
 
 Medians of ``--iters`` calls after one warm-up call, and compiled temp bytes, of:
 
@@ -23,7 +23,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import median_ms
+from grpo_kernels.proof.timing import median_ms
 
 from grpo_kernels import GRPOLossConfig, LmHeadBlockSizes, grpo_loss_from_hidden
 from grpo_kernels.ops.lm_head_loss import xla as X

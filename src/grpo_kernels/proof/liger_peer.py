@@ -1,22 +1,30 @@
-"""Peer benchmark on a GPU: our losses against Liger-Kernel's Triton kernels, one process.
+"""Peer benchmark: our losses against Liger-Kernel's, one process, on a GPU or on the CPU.
 
-``--op logits``: ``grpo_loss`` (impls ``--ours``) against ``liger_kernel.transformers.
-grpo_loss.triton_grpo_loss`` on the same logits. ``--op lm_head``: ``grpo_loss_from_hidden``
-against ``LigerFusedLinearGRPOLoss`` on the same hidden states and ``[V, H]`` head. Both sides
-run forward + backward on the same inputs and loss options (TRL semantics: ``loss_type``, clip
-0.2, beta, temperature, old log-probs given) on the same GPU; JAX is told not to preallocate so
-torch has room. The script checks the losses agree, then prints median times (CUDA-synchronised
-on the torch side, ``block_until_ready`` on ours), ours / theirs, and torch's peak allocated bytes
-(``torch.cuda.max_memory_allocated``, inputs included).
+``--op logits`` (a CUDA GPU): ``grpo_loss`` (impls ``--ours``) against ``liger_kernel.
+transformers.grpo_loss.triton_grpo_loss`` on the same logits. ``--op lm_head``:
+``grpo_loss_from_hidden`` against ``LigerFusedLinearGRPOLoss`` on the same hidden states and
+``[V, H]`` head, on a CUDA GPU (``--device cuda``, the default) or on the CPU (``--device cpu``:
+torch's and XLA's CPU builds). Both sides run forward + backward on the same inputs and loss
+options (TRL semantics: ``loss_type``, clip 0.2, beta with given reference log-probs,
+temperature, old log-probs given); JAX is told not to preallocate so torch has room. The script
+checks the losses agree, then prints one JSON line: median times (CUDA-synchronised on the
+torch side, ``block_until_ready`` on ours), ours / theirs, each side's time over three of its
+own library's ``[N, H] x [H, V]`` matmuls (the least a fused forward and backward can cost),
+and on a GPU torch's peak allocated bytes (``torch.cuda.max_memory_allocated``, inputs
+included).
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/liger_gpu_peer.py --op logits \\
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m grpo_kernels.proof.liger_peer --op logits \\
         --batch 1 --time 2048 --vocab 151643
-    python benchmarks/liger_gpu_peer.py --op lm_head --batch 1 --time 8192 --hidden 4096 \\
+    python3 -m grpo_kernels.proof.liger_peer --op lm_head --batch 1 --time 8192 --hidden 4096 \\
         --vocab 151936 --head-variants xla-tokens,xla-vocab@1024 --liger-modes eager,compiled
+    python3 -m grpo_kernels.proof.liger_peer --op lm_head --device cpu --batch 2 --time 1024 \\
+        --hidden 512 --vocab 32768 --beta 0.04 --iters 2 --warmup 0
 
 ``--op lm_head`` times each of our variants (``--head-variants``: the ``LmHeadBlockSizes``
 dweight mode and chunk rows) with XLA's planned temporaries, and each Liger run
-(``--liger-modes``: ``compiled=False`` and ``compiled=True``) with torch's peak.
+(``--liger-modes``: ``compiled=False`` and ``compiled=True``). Needs ``torch`` and
+``liger-kernel``, neither a dependency of grpo-kernels; exit 3 (skipped, with the reason)
+without them or without the device asked for.
 """
 
 from __future__ import annotations
@@ -31,12 +39,23 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from liger_lm_head_peer import liger_head_step  # noqa: E402
-from timing import median_ms  # noqa: E402
 
 from grpo_kernels import GRPOLossConfig, grpo_loss, grpo_loss_from_hidden  # noqa: E402
 from grpo_kernels.ops.lm_head_loss.inputs import random_head_inputs  # noqa: E402
 from grpo_kernels.ops.logits_loss.inputs import random_inputs  # noqa: E402
+from grpo_kernels.proof.timing import median_ms  # noqa: E402
+
+
+def liger_head_step(loss_fn, h_t, w_t, tensors):
+    """One forward + backward of a ``LigerFusedLinearGRPOLoss`` w.r.t. hidden and head; the
+    returned call gives the detached loss."""
+    def step():
+        h_t.grad = w_t.grad = None
+        out = loss_fn(h_t, w_t, **tensors)
+        loss = out[0] if isinstance(out, tuple) else out
+        loss.backward()
+        return loss.detach()
+    return step
 
 
 def head_variants(text: str) -> list[tuple[str, tuple[str, object]]]:
@@ -57,16 +76,20 @@ def head_variants(text: str) -> list[tuple[str, tuple[str, object]]]:
 
 
 def torch_median_ms(torch, fn, iters: int, warmup: int) -> float:
-    """:func:`timing.median_ms` of ``fn`` with the CUDA queue drained inside each call."""
+    """:func:`timing.median_ms` of ``fn`` with the CUDA queue, where there is one, drained
+    inside each call."""
     def synced():
         fn()
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     return median_ms(synced, iters, warmup)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--op", choices=["logits", "lm_head"], required=True)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="where both sides run (default: cuda; cpu: --op lm_head only)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--time", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=4096)
@@ -95,10 +118,14 @@ def main(argv: list[str] | None = None) -> int:
         if set(args.liger_modes.split(",")) - {"eager", "compiled", ""}:
             raise ValueError(f"--liger-modes: expected eager and/or compiled, got "
                              f"{args.liger_modes!r}")
+        if args.device == "cpu" and args.op != "lm_head":
+            raise ValueError("--device cpu: only --op lm_head (Liger's logits loss is a "
+                             "Triton kernel)")
     except ValueError as e:
         p.error(str(e))
-    if jax.default_backend() != "gpu":  # before torch's import, the slow part of a skip
-        print(f"liger_gpu_peer: skipped: needs a CUDA GPU for both torch and JAX (JAX's "
+    cuda = args.device == "cuda"
+    if cuda and jax.default_backend() != "gpu":  # before torch's import, the slow part of a skip
+        print(f"liger_peer: skipped: needs a CUDA GPU for both torch and JAX (JAX's "
               f"backend is {jax.default_backend()})", file=sys.stderr)
         return 3
     try:
@@ -108,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
     except ImportError as e:
-        print(f"liger_gpu_peer: skipped: needs torch and liger-kernel ({e})", file=sys.stderr)
+        print(f"liger_peer: skipped: needs torch and liger-kernel ({e})", file=sys.stderr)
         return 3
-    if not torch.cuda.is_available():
-        print("liger_gpu_peer: skipped: needs a CUDA GPU for both torch and JAX (torch sees "
+    if cuda and not torch.cuda.is_available():
+        print("liger_peer: skipped: needs a CUDA GPU for both torch and JAX (torch sees "
               "none)", file=sys.stderr)
         return 3
 
@@ -120,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                          max_completion_length=t)
     jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
 
     def to_torch(x, dt=torch.float32):
         return torch.from_numpy(np.asarray(jnp.asarray(x, jnp.float32))).to(dev, dt).contiguous()
@@ -128,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     record = {"op": args.op, "batch": b, "time": t, "vocab": v, "dtype": args.dtype,
               "loss_type": args.loss_type, "beta": args.beta, "temperature": args.temperature,
               "jax": jax.__version__, "torch": torch.__version__,
-              "device": torch.cuda.get_device_name()}
+              "device": torch.cuda.get_device_name() if cuda else "cpu",
+              "jax_backend": jax.default_backend()}
     if args.op == "logits":
         inp = random_inputs(0, b, t, v, jdtype, cfg)
         ours = {}
@@ -205,17 +233,23 @@ def main(argv: list[str] | None = None) -> int:
                 chunk_size=1, loss_type=args.loss_type, max_completion_length=t,
                 temperature=args.temperature)
             theirs = liger_head_step(loss_fn, h_t, w_t, tensors)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
             their_losses[mode] = float(theirs())  # torch.compile's compile, when compiled
             liger[mode] = {"median_ms": torch_median_ms(torch, theirs, args.iters, args.warmup),
-                           "torch_peak_allocated": torch.cuda.max_memory_allocated(),
+                           "torch_peak_allocated": (torch.cuda.max_memory_allocated() if cuda
+                                                    else None),
                            "loss": their_losses[mode]}
             h_t.grad = w_t.grad = None
             del loss_fn, theirs
         n = b * t
         h2, w2 = h_t.detach().reshape(n, args.hidden), w_t.detach()
         torch_mm = torch_median_ms(torch, lambda: h2 @ w2.T, args.iters, args.warmup)
+        xla_mm = jax.jit(lambda h, w: jax.lax.dot_general(
+            h.reshape(n, args.hidden), w, (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32))
+        xla_mm_ms = median_ms(lambda: xla_mm(inp.hidden, inp.lm_head), args.iters, args.warmup)
         ref_loss = ours["reference"][0]
         their_loss = next(iter(their_losses.values()))
         record.update(hidden=args.hidden, liger_modes=modes, loss_reference=ref_loss,
@@ -224,9 +258,11 @@ def main(argv: list[str] | None = None) -> int:
                                         for x in their_losses.values()),
                       ours={k: {"loss": l, "median_ms": ms, "temp_size_in_bytes": planned[k]}
                             for k, (l, ms) in ours.items()},
-                      liger=liger, torch_matmul_ms=torch_mm,
+                      liger=liger, torch_matmul_ms=torch_mm, xla_matmul_ms=xla_mm_ms,
                       liger_over_3_torch_matmuls={m: r["median_ms"] / (3 * torch_mm)
                                                   for m, r in liger.items()},
+                      ours_over_3_xla_matmuls={k: ms / (3 * xla_mm_ms)
+                                               for k, (_, ms) in ours.items()},
                       ours_over_liger={f"{k} / {m}": ms / r["median_ms"]
                                        for k, (_, ms) in ours.items() for m, r in liger.items()})
     print(json.dumps(record))

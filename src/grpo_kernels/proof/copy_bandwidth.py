@@ -9,7 +9,7 @@ time per call of ``--iters`` calls back to back (``grpo_kernels.cli.bench.pipeli
 - ``torch copy_``: the device copy, where torch with CUDA is installed (the highest figure on
   an H100, so the one docs/benchmarks.md divides by).
 
-    python benchmarks/copy_bandwidth.py --rows 4096 --vocab 151643 --dtype bfloat16
+    python3 -m grpo_kernels.proof.copy_bandwidth --rows 4096 --vocab 151643 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
-from timing import median_ms
 
 from grpo_kernels.cli.bench import pipelined_ms
 from grpo_kernels.ops.core.dtypes import parse_dtype
+from grpo_kernels.proof.timing import median_ms
 
 
 def measure(rows: int, vocab: int, dtype: Any, iters: int, warmup: int) -> Iterator[dict]:

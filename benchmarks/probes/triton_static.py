@@ -1,12 +1,12 @@
 """Static facts of the GPU kernels as ptxas compiles them, with no GPU: registers, instructions.
 
     python3 -m venv /tmp/tv && /tmp/tv/bin/pip install triton==3.6.0   # once: the GPU image's
-    python3 benchmarks/triton_static.py --triton-python /tmp/tv/bin/python
-    python3 benchmarks/triton_static.py --triton-python /tmp/tv/bin/python --layouts aligned \
+    python3 benchmarks/probes/triton_static.py --triton-python /tmp/tv/bin/python
+    python3 benchmarks/probes/triton_static.py --triton-python /tmp/tv/bin/python --layouts aligned \
         --block-vocab 4096,8192 --num-warps 4,8      # other tilings
-    python3 benchmarks/triton_static.py --triton-python /tmp/tv/bin/python --layouts one_pass \
+    python3 benchmarks/probes/triton_static.py --triton-python /tmp/tv/bin/python --layouts one_pass \
         --block-vocab 8192,16384,32768 --num-warps 8,16,32 --stages 1,2   # the one-pass kernel
-    python3 benchmarks/triton_static.py --triton-python /tmp/tv/bin/python --layouts one_pass \
+    python3 benchmarks/probes/triton_static.py --triton-python /tmp/tv/bin/python --layouts one_pass \
         --l2-hints 0,1                      # without and with its L2 eviction hints
 
 The CPU jaxlib lowers the Pallas GPU kernels to Triton IR; ``pallas_call(debug=True)`` prints

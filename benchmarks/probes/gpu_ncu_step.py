@@ -5,7 +5,7 @@ The step is compiled and run ``--warmup`` times, then run once more between
 exactly one step's kernels (no compile-time autotuning, no input generation)::
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight \\
-        python3 benchmarks/gpu_ncu_step.py --impl pallas --batch 1 --time 2048 --vocab 151643
+        python3 benchmarks/probes/gpu_ncu_step.py --impl pallas --batch 1 --time 2048 --vocab 151643
 
 Without ncu it prints the step's median time, so it also runs (and is smoke-tested) on a CPU,
 where the profiler calls are skipped.
@@ -28,7 +28,7 @@ from grpo_kernels.cli.bench import loss_fn
 from grpo_kernels.ops.core.dtypes import parse_dtype
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
 from grpo_kernels.ops.logits_loss.api import IMPLEMENTATIONS
-from timing import median_ms  # benchmarks/timing.py
+from grpo_kernels.proof.timing import median_ms
 
 
 def cudart():

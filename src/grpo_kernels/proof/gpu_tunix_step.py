@@ -1,16 +1,17 @@
 """One tunix update run on the device: tunix's own loss or ours, step time, peak and first step.
 
-    python3 benchmarks/gpu_tunix_step.py --arm tunix        # Qwen2.5-1.5B shape, 4 layers
-    python3 benchmarks/gpu_tunix_step.py --arm fused-xla
-    python3 benchmarks/gpu_tunix_step.py --arm fused-xla --model tiny   # any backend
+    python3 -m grpo_kernels.proof.gpu_tunix_step --arm tunix        # Qwen2.5-1.5B shape, 4 layers
+    python3 -m grpo_kernels.proof.gpu_tunix_step --arm fused-xla
+    python3 -m grpo_kernels.proof.gpu_tunix_step --arm fused-xla --model tiny   # any backend
 
-The program is the one ``benchmarks/tpu_tunix_step.py`` compiles for a TPU: ``jit`` of
-``value_and_grad`` of a tunix policy loss with respect to a tunix model's parameters (a tunix
-Qwen2 of the ``--model`` shape, its first ``--layers`` layers, the whole vocabulary, bf16
-parameters and compute), as tunix's trainer differentiates it, on a ``TrainExample`` of
-``--rows`` rows (beta 0.04, token-mean, low_var_kl, on-policy). Here it runs, on random
-weights and the micro-batch of ``benchmarks/gpu_train_step.py`` (same seed, same numbers;
-the reference log-probs are the model's own, from tunix's log-prob pass, plus noise).
+The program is the one ``benchmarks/tpu_tunix_step.py`` (source tree) compiles for a TPU:
+``jit`` of ``value_and_grad`` of a tunix policy loss with respect to a tunix model's
+parameters (a tunix Qwen2 of the ``--model`` shape, its first ``--layers`` layers, the whole
+vocabulary, bf16 parameters and compute), as tunix's trainer differentiates it, on a
+``TrainExample`` of ``--rows`` rows (beta 0.04, token-mean, low_var_kl, on-policy). Here it
+runs, on random weights and the micro-batch of :mod:`grpo_kernels.proof.gpu_train_step` (same
+seed, same numbers; the reference log-probs are the model's own, from tunix's log-prob pass,
+plus noise).
 Arms:
 
 - ``tunix``: tunix 0.1.7's ``grpo_loss_fn`` (``policy_loss_fn="grpo"``): the model's
@@ -41,7 +42,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import gpu_train_step  # noqa: E402
+from grpo_kernels.proof import gpu_train_step, shapes  # noqa: E402
 
 ARMS = ("tunix", "fused-xla", "xla", "logps-tunix", "logps-ours")
 PAD, EOS = 0, 1
@@ -74,8 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.warmup < 0:
         p.error(f"--warmup must be at least 0, got {args.warmup}")
     try:
-        import tpu_train_step
-        tpu_train_step.model_config(args.model, args.layers, gpu_train_step.MODELS)
+        shapes.model_config(args.model, args.layers, gpu_train_step.MODELS)
     except ValueError as e:
         p.error(str(e))
     return args
@@ -97,8 +97,7 @@ def run(args: argparse.Namespace) -> dict:
     from flax import nnx
     from tunix.rl import common
 
-    import tpu_tunix_step
-    model, vocab = tpu_tunix_step.tunix_model(args.model, args.layers, abstract=False,
+    model, vocab = shapes.tunix_model(args.model, args.layers, abstract=False,
                                               seed=args.seed, models=gpu_train_step.MODELS)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     mb = gpu_train_step.micro_batch(args.seed, args.rows, args.prompt, args.completion, vocab)
@@ -137,7 +136,7 @@ def run(args: argparse.Namespace) -> dict:
         advantages=jnp.asarray(mb["advantages"]), ref_per_token_logps=ref,
         old_per_token_logps=None)
     del own
-    config = tpu_tunix_step.algo_config()
+    config = shapes.algo_config()
     fn = policy_loss(args.arm)
 
     def loss(params, ex):

@@ -1,9 +1,9 @@
 """Tuning probes for a lent GPU, one process per section: what the proof's defaults rest on.
 
-    python3 benchmarks/gpu_probes.py copy      # memory bandwidth (copy_bandwidth.py), bf16 and f32
-    python3 benchmarks/gpu_probes.py pallas    # GPU kernel tiles x warps, per kernel
-    python3 benchmarks/gpu_probes.py step      # whole steps: xla and pallas per tile
-    python3 benchmarks/gpu_probes.py head      # fused LM head: chunk rows x dW blocking
+    python3 benchmarks/probes/gpu_probes.py copy      # memory bandwidth (copy_bandwidth.py), bf16 and f32
+    python3 benchmarks/probes/gpu_probes.py pallas    # GPU kernel tiles x warps, per kernel
+    python3 benchmarks/probes/gpu_probes.py step      # whole steps: xla and pallas per tile
+    python3 benchmarks/probes/gpu_probes.py head      # fused LM head: chunk rows x dW blocking
 
 Each prints one JSON line per measurement and a table. Times are medians after warm-up
 (``timing.median_ms``), two input sets alternated where a cache could hold one.
@@ -16,10 +16,10 @@ import json
 import os
 import sys
 
-import copy_bandwidth
 import jax
 import jax.numpy as jnp
-from timing import median_ms
+from grpo_kernels.proof import copy_bandwidth
+from grpo_kernels.proof.timing import median_ms
 
 # The issue's B=1, T=2048 logits shape; PROBE_N / PROBE_V shrink it for a CPU smoke run.
 N, V = int(os.environ.get("PROBE_N", 2048)), int(os.environ.get("PROBE_V", 151643))

@@ -1,7 +1,7 @@
 """Each Triton kernel of the logits op timed alone, next to an XLA elementwise pass.
 
-    PYTHONPATH=src python3 benchmarks/gpu_kernel_ab.py --tag new
-    PYTHONPATH=old/src python3 benchmarks/gpu_kernel_ab.py --tag old   # another tree, A/B
+    PYTHONPATH=src python3 benchmarks/probes/gpu_kernel_ab.py --tag new
+    PYTHONPATH=old/src python3 benchmarks/probes/gpu_kernel_ab.py --tag old   # another tree, A/B
 
 For each ``N x V`` (bf16 logits ~ N(0, 4)): the statistics kernels (full tiles and tail),
 the gradient kernels, and ``z + 1`` in XLA (the same bytes as the gradient: one read, one
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.ops.logits_loss import pallas_gpu
-from timing import median_ms
+from grpo_kernels.proof.timing import median_ms
 
 SHAPES = ((2048, 151643), (4096, 151643), (2048, 151936))
 

@@ -8,7 +8,7 @@ tests/ops/lm_head_loss/test_lm_head.py derives for one bf16 rounding of every lo
 op rounds them as declared; XLA may keep the reference's in float32):
 ``2^-8 (1 + max|z| / tau)`` for the gradients.
 
-    python benchmarks/head_gradcheck.py --batch 1 --time 8192 --hidden 4096 --vocab 151936
+    python3 -m grpo_kernels.proof.head_gradcheck --batch 1 --time 8192 --hidden 4096 --vocab 151936
 """
 
 from __future__ import annotations

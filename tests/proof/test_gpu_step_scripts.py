@@ -1,19 +1,11 @@
-"""The step plan's scripts, before anything runs: their micro-batch, their arguments, and the
+"""The step plan's programs, before anything runs: their micro-batch, their arguments, and the
 fused-head variants of the Liger peer (the proof's dry run runs them, tests/cli/test_proof.py)."""
-
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import gpu_train_step  # noqa: E402
-import device_memory  # noqa: E402
-import gpu_tunix_step  # noqa: E402
-import liger_gpu_peer  # noqa: E402
-
-from grpo_kernels import LmHeadBlockSizes  # noqa: E402
+from grpo_kernels import LmHeadBlockSizes
+from grpo_kernels.proof import device_memory, gpu_train_step, gpu_tunix_step, liger_peer
 
 
 def test_the_micro_batch_is_a_trainer_batch_drawn_from_the_seed():
@@ -71,20 +63,21 @@ def test_every_train_arm_names_a_trainer_arm_and_its_options():
 
 
 def test_head_variants_parse_to_the_options():
-    assert liger_gpu_peer.head_variants("xla,xla-vocab@1024, xla-tokens") == [
+    assert liger_peer.head_variants("xla,xla-vocab@1024, xla-tokens") == [
         ("xla", ("xla", None)),
         ("xla-vocab@1024", ("xla", LmHeadBlockSizes(chunk_tokens=1024, dweight="vocab"))),
         ("xla-tokens", ("xla", LmHeadBlockSizes(dweight="tokens")))]
     for bad in ("pallas", "xla-vocab@", "xla@x", "xla-rows"):
         with pytest.raises(ValueError, match="--head-variants"):
-            liger_gpu_peer.head_variants(bad)
+            liger_peer.head_variants(bad)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--op", "lm_head", "--head-variants", "xla-rows"], "--head-variants: 'xla-rows'"),
     (["--op", "lm_head", "--liger-modes", "eager,jit"], "--liger-modes: expected eager"),
+    (["--op", "logits", "--device", "cpu"], "--device cpu: only --op lm_head"),
 ])
 def test_the_peer_names_a_bad_flag_before_any_work(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
-        liger_gpu_peer.main(argv)
+        liger_peer.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err

@@ -1,12 +1,8 @@
-"""benchmarks/gpu_layouts.py's arguments: bad ones are named, before any kernel runs."""
-
-import sys
-from pathlib import Path
+"""grpo_kernels.proof.gpu_layouts's arguments: bad ones are named, before any kernel runs."""
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import gpu_layouts  # noqa: E402
+from grpo_kernels.proof import gpu_layouts
 
 
 def test_lists_parse():

@@ -1,10 +1,10 @@
 """The trainer's update run on the device: one loss arm's step time, device peak and first step.
 
-    python3 benchmarks/gpu_train_step.py --arm logits-reference     # Qwen2.5-1.5B shape, 4 layers
-    python3 benchmarks/gpu_train_step.py --arm fused-xla-vocab --layers 8
-    python3 benchmarks/gpu_train_step.py --arm fused-xla --model tiny   # any backend, seconds
+    python3 -m grpo_kernels.proof.gpu_train_step --arm logits-reference  # Qwen2.5-1.5B, 4 layers
+    python3 -m grpo_kernels.proof.gpu_train_step --arm fused-xla-vocab --layers 8
+    python3 -m grpo_kernels.proof.gpu_train_step --arm fused-xla --model tiny  # any backend
 
-The program is the one ``benchmarks/tpu_train_step.py`` compiles for a TPU:
+The program is the one ``benchmarks/tpu_train_step.py`` (source tree) compiles for a TPU:
 ``rl.policy.make_programs``' gradient of one micro-batch, jitted as ``grpo-kernels train``
 runs it (the decoder's forward and backward over ``--rows`` rows of ``--prompt`` prompt and
 ``--completion`` completion tokens, then the loss with beta 0.04 against given reference
@@ -46,12 +46,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import tpu_train_step  # noqa: E402
-from timing import median_ms  # noqa: E402
+from grpo_kernels.proof import shapes  # noqa: E402
+from grpo_kernels.proof.timing import median_ms  # noqa: E402
 
-# --model shapes: tpu_train_step's Qwen2.5 shapes and a tiny one for dry runs and tests
-# (hidden, intermediate, layers, heads, KV heads, head dim, vocabulary, tied).
-MODELS = {**tpu_train_step.MODELS, "tiny": (64, 128, 2, 4, 2, 16, 512, True)}
+MODELS = shapes.RUN_MODELS  # the published shapes and a tiny one for dry runs and tests
 # arm -> (loss.head, loss.impl, loss.kernel entry)
 ARMS = {"logits-reference": ("logits", "reference", None),
         "logits-xla": ("logits", "xla", None),
@@ -92,7 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.warmup < 0:
         p.error(f"--warmup must be at least 0, got {args.warmup}")
     try:
-        tpu_train_step.model_config(args.model, args.layers, MODELS)
+        shapes.model_config(args.model, args.layers, MODELS)
     except ValueError as e:
         p.error(str(e))
     return args
@@ -175,7 +173,7 @@ def run(args: argparse.Namespace) -> dict:
     head, impl, entry = ARMS[args.arm]
     # as the trainer resolves it (a fused-pallas arm off TPU raises ValueError here)
     impl, options = resolve(head, impl, {} if entry is None else {f"{head}-{impl}": entry})
-    cfg = tpu_train_step.model_config(args.model, args.layers, MODELS)
+    cfg = shapes.model_config(args.model, args.layers, MODELS)
     graphdef, state = nnx.split(Decoder(cfg, nnx.Rngs(args.seed)))
     grad_fn, _ = make_programs(graphdef, head=head, impl=impl,
                                config=GRPOLossConfig(beta=0.04), prompt_width=args.prompt,

@@ -1,6 +1,6 @@
 """Measurements behind the design notes in docs/xla.md, in one process.
 
-    python benchmarks/xla_cpu_probes.py [--rows 4096 --vocab 32768 --iters 7]
+    python benchmarks/probes/xla_cpu_probes.py [--rows 4096 --vocab 32768 --iters 7]
 
 Times (median of --iters after one warm-up call) and compiled temp bytes of small programs over
 one bf16 ``[rows, vocab]`` array, probing how XLA's CPU backend treats the building blocks of the

@@ -1,7 +1,5 @@
-"""The timer the benchmark scripts share: median wall time of a call, after warm-up calls.
-
-The scripts run as ``python benchmarks/NAME.py``, so this module imports as ``timing``.
-"""
+"""The timer the proof's programs and the benchmark scripts share: median wall time of a call,
+after warm-up calls."""
 
 from __future__ import annotations
 

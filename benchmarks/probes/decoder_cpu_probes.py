@@ -1,6 +1,6 @@
 """Measurements behind the decoder's CPU design notes (docs/benchmarks.md, sampling).
 
-    python benchmarks/decoder_cpu_probes.py [--only dots,attention,decode,trainer] [--config F]
+    python benchmarks/probes/decoder_cpu_probes.py [--only dots,attention,decode,trainer] [--config F]
 
 - ``dots``: one projection of a decode step, ``[16, 576] x [576, 1536]`` (and the training
   shape ``[1024, 576]``) with bfloat16 operands: a bfloat16 result against a float32 result,
@@ -24,7 +24,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import median_ms
+from grpo_kernels.proof.timing import median_ms
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 

@@ -1,10 +1,10 @@
 """The GPU kernels' layouts, ``rows`` and ``aligned``, and the one-pass GPU kernel, timed in
 one process (proof phases).
 
-    python3 benchmarks/gpu_layouts.py                       # the issue's shapes, on a GPU
-    python3 benchmarks/gpu_layouts.py --tilings 4096x4,8192x8,16384x8   # the tiling sweep
-    python3 benchmarks/gpu_layouts.py --one-pass-tilings 8192x8x264x1,16384x16x132x2x0  # one-pass
-    python3 benchmarks/gpu_layouts.py --shapes 16x300 --block-vocab 128 --iters 2   # a CPU smoke
+    python3 -m grpo_kernels.proof.gpu_layouts                # the default shapes, on a GPU
+    python3 -m grpo_kernels.proof.gpu_layouts --tilings 4096x4,8192x8,16384x8   # tilings
+    python3 -m grpo_kernels.proof.gpu_layouts --one-pass-tilings 8192x8x264x1,16384x16x132x2x0
+    python3 -m grpo_kernels.proof.gpu_layouts --shapes 16x300 --block-vocab 128 --iters 2  # CPU
 
 For each ``N x V`` (bf16 logits, the default loss with old and reference log-probs), and each
 layout (``PallasOptions(gpu_layout=...)``): the statistics kernels alone, the gradient kernels
@@ -40,12 +40,12 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from timing import median_ms
 
 from grpo_kernels import GRPOLossConfig, PallasBlockSizes, PallasOptions, grpo_loss
 from grpo_kernels.objective import token_row_grad
 from grpo_kernels.ops.logits_loss import pallas_gpu, pallas_gpu_one_pass
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
+from grpo_kernels.proof.timing import median_ms
 
 LAYOUTS = pallas_gpu.LAYOUTS
 SHAPES = "2048x151643,4096x151643,2048x151936"

@@ -5,13 +5,13 @@ so ``grpo-kernels bench`` (every implementation in one process) cannot attribute
 runs one implementation of one op, with the inputs drawn on the host CPU backend and then
 placed on the accelerator, so the device's mark holds only the inputs and the step itself.
 
-    python benchmarks/device_memory.py --op logits --impl pallas --batch 1 --time 2048 \\
+    python3 -m grpo_kernels.proof.device_memory --op logits --impl pallas --batch 1 --time 2048 \\
         --vocab 151643 --dtype bfloat16
-    python benchmarks/device_memory.py --op lm_head --impl xla --batch 1 --time 8192 \\
+    python3 -m grpo_kernels.proof.device_memory --op lm_head --impl xla --batch 1 --time 8192 \\
         --hidden 4096 --vocab 151936 --dtype bfloat16 [--dweight vocab] [--chunk-tokens 1024]
 
 Prints one JSON line: bytes in use before the step (the inputs), the peak, the step's output
-bytes, and for the logits op the issue's budget ``logits + dlogits`` (``2 N V b``).
+bytes, and for the logits op the budget ``logits + dlogits`` (``2 N V b``).
 """
 
 from __future__ import annotations
