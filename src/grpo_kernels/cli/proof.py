@@ -90,7 +90,7 @@ class Plan:
                                    "fused-xla", "fused-xla-chunk2048", "fused-xla-vocab",
                                    "fused-pallas")
     tunix_arms: tuple[str, ...] = ("tunix", "fused-xla", "logps-tunix", "logps-ours")
-    # The trainer's A/B (configs/gpu_ab.yaml): steps per arm and --set overrides.
+    # The trainer's A/B (proof/gpu_ab.yaml): steps per arm and --set overrides.
     ab_steps: int = 3
     ab_sets: tuple[str, ...] = ()
     # The fused head beside Liger at ``head``: our variants (liger_peer.py

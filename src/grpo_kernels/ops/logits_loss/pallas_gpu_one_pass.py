@@ -22,7 +22,7 @@ V = 151,643 bf16. With a program per row instead, the scheduler would run as man
 registers (several per multiprocessor, hundreds of rows, several times L2) and the first
 rows' lines would be gone before their second sweep. A step then moves ``2 V b`` bytes of HBM
 traffic per token, against the two kernels' ``3 V b``, if L2 holds. On an H100 it does not
-hold at full rate: the proof's ``layouts`` plan (``benchmarks/gpu_layouts.py``'s ``one_pass``
+hold at full rate: the proof's ``layouts`` plan (``grpo_kernels.proof.gpu_layouts``'s ``one_pass``
 rows) timed this kernel no faster than the aligned two kernels (docs/kernels.md).
 
 The dlogits stores pass through L2 as well, as much again as the rows being read, and so do
