@@ -13,9 +13,10 @@ floor, so ``floor / logits-reference`` bounds every head's ratio from below; on 
 script also times the head's three ``[N, H] x [H, V]`` matmuls (forward, dH, dW) alone, the
 work any exact head does.
 
-On the CPU each arm runs on random weights (normal, 0.02) and a random micro-batch, its
-steps timed back to back, interleaved with the other arms', the median of ``--iters``; with
-``--tpu GEN`` the programs are compiled for that TPU generation with libtpu and nothing runs.
+On the CPU each arm runs on the decoder's initial weights and a trainer micro-batch of
+random tokens (``grpo_kernels.proof.gpu_train_step.micro_batch``), its steps timed back to
+back, interleaved with the other arms', the median of ``--iters``; with ``--tpu GEN`` the
+programs are compiled for that TPU generation with libtpu and nothing runs.
 One JSON line per arm, then a table of ratios to ``logits-reference``.
 """
 
@@ -105,40 +106,31 @@ def program(arm: str, graphdef, prompt: int):
 
 
 def inputs(cfg, args, device, concrete: bool):
-    """``(state, micro-batch, scale, num_items)``: random arrays when ``concrete``, else
-    their shapes placed on ``device``; and the graphdef."""
+    """The graphdef and ``(state, micro-batch, scale, num_items)``: the decoder's initial
+    weights and a trainer micro-batch (``gpu_train_step.micro_batch``, seed 0) when
+    ``concrete``, else their shapes placed on ``device``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
     from jax.sharding import SingleDeviceSharding
 
-    from grpo_kernels.models.decoder import empty_decoder
-    graphdef, state = nnx.split(empty_decoder(cfg, args.remat))
-    rows, width = args.rows, args.prompt + args.completion
-    rng = np.random.default_rng(0)
-    mb = {"ids": rng.integers(0, cfg.vocab_size, (rows, width), dtype=np.int32),
-          "attention": np.ones((rows, width), np.int32),
-          "mask": np.ones((rows, args.completion), np.int32),
-          "advantages": rng.standard_normal(rows).astype(np.float32),
-          "old_logps": -5 * rng.random((rows, args.completion), dtype=np.float32),
-          "ref_logps": -5 * rng.random((rows, args.completion), dtype=np.float32)}
-    scalars = (np.float32(1.0), np.float32(rows * args.completion))
+    from grpo_kernels.models.decoder import Decoder, empty_decoder
+    from grpo_kernels.proof.gpu_train_step import micro_batch
+    model = (Decoder(cfg, nnx.Rngs(0), remat=args.remat) if concrete
+             else empty_decoder(cfg, args.remat))
+    graphdef, state = nnx.split(model)
+    mb = micro_batch(0, args.rows, args.prompt, args.completion, cfg.vocab_size)
+    scalars = (np.float32(1.0), np.float32(mb["mask"].sum()))
     if concrete:
-        key = jax.random.key(1)
-        leaves, tree = jax.tree.flatten(state)
-        state = jax.tree.unflatten(tree, [
-            (0.02 * jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32)
-             ).astype(x.dtype) for i, x in enumerate(leaves)])
-        mb = {k: jnp.asarray(v) for k, v in mb.items()}
-        return graphdef, (state, {**mb, "sampler_logps": None}, *map(jnp.asarray, scalars))
-    sh = SingleDeviceSharding(device)
+        place = jnp.asarray
+    else:
+        sh = SingleDeviceSharding(device)
 
-    def s(x):
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sh)
-    state = jax.tree.map(s, state)
-    return graphdef, (state, {**{k: s(v) for k, v in mb.items()}, "sampler_logps": None},
-                      *map(s, scalars))
+        def place(x):
+            return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sh)
+    mb = {k: None if v is None else place(v) for k, v in mb.items()}
+    return graphdef, (jax.tree.map(place, state), mb, *map(place, scalars))
 
 
 def head_matmuls_s(cfg, n: int, iters: int) -> float:
@@ -146,6 +138,8 @@ def head_matmuls_s(cfg, n: int, iters: int) -> float:
     ``dH = dZ W^T`` and ``dW = h^T dZ``, with float32 accumulation, as one program."""
     import jax
     import jax.numpy as jnp
+
+    from grpo_kernels.proof.timing import median_ms
     f32, dt = jnp.float32, cfg.compute_dtype
     k = jax.random.split(jax.random.key(2), 3)
     h = jax.random.normal(k[0], (n, cfg.hidden_size), dt)
@@ -157,13 +151,7 @@ def head_matmuls_s(cfg, n: int, iters: int) -> float:
         z = jnp.dot(h, w, preferred_element_type=f32)
         return (z.sum(), jnp.dot(dz, w.T, preferred_element_type=f32),
                 jnp.dot(h.T, dz, preferred_element_type=f32))
-    jax.block_until_ready(three(h, w, dz))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(three(h, w, dz))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_ms(lambda: three(h, w, dz), iters) / 1e3
 
 
 def main(argv=None) -> int:

@@ -21,8 +21,7 @@ loss arm (:mod:`grpo_kernels.proof.gpu_train_step`), tunix's update with tunix's
 ours (:mod:`~grpo_kernels.proof.gpu_tunix_step`), the fused head in both ``dweight`` modes
 beside Liger's fused loss eager and compiled (its device peak measured with the program
 loaded from a compile cache, so that XLA:GPU's compile-time autotuning is not counted), and a
-short trainer A/B
-(``grpo-kernels ab --processes per-arm``, ``grpo_kernels/proof/gpu_ab.yaml``).
+short trainer A/B (``grpo-kernels ab --processes per-arm``, ``grpo_kernels/proof/gpu_ab.yaml``).
 A failing phase is recorded and the next one still runs. ``DIR/proof.log`` gets every phase's
 output; ``DIR/proof.json`` (rewritten after each phase, so a crash keeps what finished) the
 records, the machine, the derived figures and each target met or missed;

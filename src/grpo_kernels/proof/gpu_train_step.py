@@ -61,11 +61,14 @@ ARMS = {"logits-reference": ("logits", "reference", None),
 SKIPPED = 3  # the proof's exit code for a phase this backend cannot run, with its reason
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def step_parser(doc: str, arms: list[str], arm_help: str) -> argparse.ArgumentParser:
+    """The arguments of a step program (this one's and ``gpu_tunix_step``'s): ``--arm`` of
+    ``arms``, the model shape, the micro-batch, the timing and the compile cache; ``doc``: the
+    program's docstring (its first paragraph the description, from its third on the epilog)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 2)[2])
-    p.add_argument("--arm", choices=list(ARMS), required=True, help="the loss arm")
+                                epilog=doc.split("\n\n", 2)[2])
+    p.add_argument("--arm", choices=arms, required=True, help=arm_help)
     p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b",
                    help="the model's shape (default: qwen2.5-1.5b)")
     p.add_argument("--layers", type=int, default=4,
@@ -82,6 +85,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-cache", metavar="DIR",
                    help="JAX's persistent compilation cache: run twice with the same DIR and "
                    "the second run's peak holds no compile-time allocation")
+    return p
+
+
+def parse_step_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """``p``'s arguments (:func:`step_parser`), checked: a bad one exits through ``p.error``
+    naming it; ``--compile-cache`` takes effect."""
     args = p.parse_args(argv)
     use_compile_cache(args.compile_cache)
     for name in ("rows", "prompt", "completion", "iters"):
@@ -94,6 +103,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as e:
         p.error(str(e))
     return args
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return parse_step_args(step_parser(__doc__, list(ARMS), "the loss arm"), argv)
 
 
 def micro_batch(seed: int, rows: int, prompt: int, completion: int, vocab: int

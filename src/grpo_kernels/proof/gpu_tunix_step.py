@@ -49,36 +49,8 @@ PAD, EOS = 0, 1
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 2)[2])
-    p.add_argument("--arm", choices=ARMS, required=True, help="the policy loss")
-    p.add_argument("--model", choices=sorted(gpu_train_step.MODELS), default="qwen2.5-1.5b",
-                   help="the model's shape (default: qwen2.5-1.5b)")
-    p.add_argument("--layers", type=int, default=4,
-                   help="decoder layers kept, the first N (default: 4)")
-    p.add_argument("--rows", type=int, default=8, help="rows (default: 8)")
-    p.add_argument("--prompt", type=int, default=256, help="prompt width P (default: 256)")
-    p.add_argument("--completion", type=int, default=1024,
-                   help="completion tokens C (default: 1024)")
-    p.add_argument("--iters", type=int, default=5,
-                   help="timed calls; also the back-to-back run's length (default: 5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls first (default: 2)")
-    p.add_argument("--seed", type=int, default=0, help="weights and batch (default: 0)")
-    p.add_argument("--compile-cache", metavar="DIR",
-                   help="JAX's persistent compilation cache (gpu_train_step.py's option)")
-    args = p.parse_args(argv)
-    gpu_train_step.use_compile_cache(args.compile_cache)
-    for name in ("rows", "prompt", "completion", "iters"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        p.error(f"--warmup must be at least 0, got {args.warmup}")
-    try:
-        shapes.model_config(args.model, args.layers, gpu_train_step.MODELS)
-    except ValueError as e:
-        p.error(str(e))
-    return args
+    return gpu_train_step.parse_step_args(
+        gpu_train_step.step_parser(__doc__, list(ARMS), "the policy loss"), argv)
 
 
 def policy_loss(arm: str):
