@@ -15,7 +15,7 @@ $(BIN)/python:
 # tests/integrations/test_liger.py compares with.
 # Last, libtpu (the XLA:TPU and Mosaic compilers, the version jax 0.10.2 pins) into
 # .venv/libtpu, off the import path so that JAX never probes for a TPU here:
-# benchmarks/tpu_aot.py and its tests load it by path to compile for TPUs without one.
+# benchmarks/tpu_compile.py and its tests load it by path to compile for TPUs without one.
 LIBTPU := libtpu==0.0.42.1
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,tunix]"

@@ -29,8 +29,7 @@ import statistics
 import sys
 import time
 
-import tpu_aot
-import tpu_train_step as tts
+import tpu_compile
 
 from grpo_kernels.proof import shapes
 
@@ -52,9 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="model.param_dtype (default: float32, configs/learn.yaml's)")
     p.add_argument("--remat", action="store_true", help="model.remat")
     p.add_argument("--iters", type=int, default=3, help="timed steps per arm (default: 3)")
-    p.add_argument("--tpu", choices=tpu_aot.GENERATIONS, metavar="GEN",
+    p.add_argument("--tpu", choices=tpu_compile.GENERATIONS, metavar="GEN",
                    help="compile for this TPU generation with libtpu instead; nothing runs")
-    p.add_argument("--libtpu", help="libtpu.so for --tpu (default: as tpu_train_step.py)")
+    p.add_argument("--libtpu", help="libtpu.so for --tpu (default: as tpu_compile.py)")
     p.add_argument("--out", help="also append the JSON lines to this file")
     args = p.parse_args(argv)
     total = shapes.RUN_MODELS[args.model][2]
@@ -156,13 +155,13 @@ def head_matmuls_s(cfg, n: int, iters: int) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.tpu and tts.compile_env(args.libtpu, "update_floor") is None:
+    if args.tpu and not tpu_compile.use_libtpu(args.libtpu, "update_floor"):
         return 2
     import jax
     import jax.numpy as jnp
     cfg = shapes.model_config(args.model, args.layers, shapes.RUN_MODELS)
     cfg = dataclasses.replace(cfg, param_dtype=jnp.dtype(args.param_dtype).type)
-    device = tpu_aot.topology(args.tpu)[1][0] if args.tpu else jax.devices()[0]
+    device = tpu_compile.topology(args.tpu)[1][0] if args.tpu else jax.devices()[0]
     graphdef, a = inputs(cfg, args, device, concrete=not args.tpu)
     base = {"model": args.model, "layers": args.layers, "rows": args.rows,
             "prompt": args.prompt, "completion": args.completion,

@@ -221,7 +221,7 @@ def test_fused_default_forms_dweight_by_vocabulary_blocks():
 
 def test_logits_default_aliases_the_pallas_gradient():
     """Registered without options, the logits-level loss on Pallas writes its gradient over
-    the logits (tests/benchmarks/test_tpu_tunix_step.py checks what that plans); xla and given
+    the logits (tests/benchmarks/test_tpu_compile.py checks what that plans); xla and given
     options are left alone. On this CPU, auto resolves to xla."""
     from grpo_kernels.ops.logits_loss import PallasOptions
 

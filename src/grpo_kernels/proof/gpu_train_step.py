@@ -4,7 +4,8 @@
     python3 -m grpo_kernels.proof.gpu_train_step --arm fused-xla-vocab --layers 8
     python3 -m grpo_kernels.proof.gpu_train_step --arm fused-xla --model tiny  # any backend
 
-The program is the one ``benchmarks/tpu_train_step.py`` (source tree) compiles for a TPU:
+The program is the one ``benchmarks/tpu_compile.py --op train-step`` (source tree) compiles
+for a TPU:
 ``rl.policy.make_programs``' gradient of one micro-batch, jitted as ``grpo-kernels train``
 runs it (the decoder's forward and backward over ``--rows`` rows of ``--prompt`` prompt and
 ``--completion`` completion tokens, then the loss with beta 0.04 against given reference

@@ -4,7 +4,8 @@
     python3 -m grpo_kernels.proof.gpu_tunix_step --arm fused-xla
     python3 -m grpo_kernels.proof.gpu_tunix_step --arm fused-xla --model tiny   # any backend
 
-The program is the one ``benchmarks/tpu_tunix_step.py`` (source tree) compiles for a TPU:
+The program is the one ``benchmarks/tpu_compile.py --op tunix-step`` (source tree) compiles
+for a TPU:
 ``jit`` of ``value_and_grad`` of a tunix policy loss with respect to a tunix model's
 parameters (a tunix Qwen2 of the ``--model`` shape, its first ``--layers`` layers, the whole
 vocabulary, bf16 parameters and compute), as tunix's trainer differentiates it, on a

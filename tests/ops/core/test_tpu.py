@@ -67,5 +67,5 @@ def test_bfloat16_cast_is_chosen_for_the_lowering_platform():
 def test_the_tpu_argument_layout_rule(shape, row_major):
     """Row-major unless H-minor pads less in (8, 128) tiles; a tie stays row-major
     ([4096, 151,675]: both pad to 151,680). libtpu's compiler agrees on each of these
-    (tests/benchmarks/test_tpu_aot.py)."""
+    (tests/benchmarks/test_tpu_compile.py)."""
     assert tpu.row_major_by_default(shape) is row_major

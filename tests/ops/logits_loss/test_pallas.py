@@ -191,7 +191,7 @@ def test_block_plan_heuristic():
 @pytest.mark.parametrize("gen", GENERATIONS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_block_plan_fits_every_generations_vmem(gen, dtype, vocab):
-    """The blocks and the scoped limit fit the chip's VMEM (benchmarks/tpu_aot.py compiles
+    """The blocks and the scoped limit fit the chip's VMEM (benchmarks/tpu_compile.py compiles
     them); v4's 16 MiB takes 8-row blocks, single-buffered in float32."""
     plan = pallas_tpu.plan_blocks(vocab, dtype, gen)
     blocks = 2 * plan.buffers * plan.block_rows * vocab * jnp.dtype(dtype).itemsize

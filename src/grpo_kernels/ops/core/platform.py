@@ -3,7 +3,7 @@
 A backend's tuning (the XLA:CPU workarounds, chunk budgets per backend) must follow the
 program to where it runs. ``jax.default_backend()`` names the tracing host's backend, which is
 the CPU when a TPU or GPU program is traced on a CPU host: ``jax.export``, a compile for a TPU
-topology with no TPU attached (benchmarks/tpu_aot.py), or a trainer's ahead-of-time compile
+topology with no TPU attached (benchmarks/tpu_compile.py), or a trainer's ahead-of-time compile
 on a CPU host. :func:`by_platform` stages every platform's branch out and lowering keeps the
 one of the platform it lowers for (``jax.lax.platform_dependent``): the compiler never sees a
 conditional.

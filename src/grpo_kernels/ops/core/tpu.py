@@ -11,7 +11,7 @@ import jax
 MiB = 1 << 20
 
 # VMEM of one TensorCore, as libtpu 0.0.42's compiler states it when a kernel's blocks exceed
-# it (a deviceless compile on a CPU host: benchmarks/tpu_aot.py, docs/kernels.md). The
+# it (a deviceless compile on a CPU host: benchmarks/tpu_compile.py, docs/kernels.md). The
 # planners must fit inside: a plan that does not is a compile error on that chip.
 VMEM_BYTES: dict[str, int] = {"v4": 16 * MiB, "v5e": 128 * MiB, "v5p": 64 * MiB,
                               "v6e": 128 * MiB, "v7x": 64 * MiB}
@@ -69,7 +69,7 @@ def row_major_by_default(shape: tuple[int, int]) -> bool:
     ``ceil_8(b) ceil_128(a) < ceil_8(a) ceil_128(b)``. So ``[4096, 151936]`` is row-major but
     ``[4096, 151643]``, and every vocabulary shard ``[4096, 151936 / k]`` (``151936 = 128 x
     1187``), keeps ``H`` minor. The rule is what libtpu 0.0.42's compiler does: it agreed on 73
-    shapes in bf16 and f32 on v4, v5e and v7x (``benchmarks/tpu_aot.py --op layout-rule``,
+    shapes in bf16 and f32 on v4, v5e and v7x (``benchmarks/tpu_compile.py --op layout-rule``,
     which a test runs).
     """
     a, b = shape
