@@ -680,6 +680,7 @@ def emit(rows, out_path: str | None) -> int:
             line = json.dumps(row)
             print(line, flush=True)
             out.write(line + "\n")
+            out.flush()  # a later compile that crashes the process loses no row
     return 1 if failed else 0
 
 

@@ -123,8 +123,14 @@ def test_no_process_words():
     assert not hits, "\n".join(hits[:40])
 
 
+def _results_tables() -> tuple[str, str]:
+    """docs/results.md's claims, and its table of raw files."""
+    claims, _, raw = _read("docs", "results.md").partition("## Raw results files")
+    return claims, raw
+
+
 def test_every_results_row_cites_its_command_commit_and_an_existing_file():
-    rows = [line for line in _read("docs", "results.md").splitlines()
+    rows = [line for line in _results_tables()[0].splitlines()
             if line.startswith("| ") and not line.startswith("| claim") and "---" not in line]
     assert len(rows) >= 10
     results = os.path.join(ROOT, "benchmarks", "results")
@@ -135,3 +141,9 @@ def test_every_results_row_cites_its_command_commit_and_an_existing_file():
         assert any(re.fullmatch(r"[0-9a-f]{7,40}", c) for c in cells), row
         files = re.findall(r"`([\w.\-]+\.(?:jsonl?|md|txt|csv))`", row)
         assert files and all(os.path.isfile(os.path.join(results, f)) for f in files), row
+
+
+def test_the_results_page_lists_every_raw_file_and_no_other():
+    listed = set(re.findall(r"`([\w.\-]+\.(?:jsonl?|md|txt|csv|png))`", _results_tables()[1]))
+    present = set(os.listdir(os.path.join(ROOT, "benchmarks", "results")))
+    assert listed == present, (sorted(present - listed), sorted(listed - present))

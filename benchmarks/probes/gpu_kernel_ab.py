@@ -6,7 +6,7 @@
 For each ``N x V`` (bf16 logits ~ N(0, 4)): the statistics kernels (full tiles and tail),
 the gradient kernels, and ``z + 1`` in XLA (the same bytes as the gradient: one read, one
 write). Each is jitted alone and timed as the median of ``--iters`` calls after two warm-ups.
-This is how the issue-19 regression of the gradient kernel was found (docs/benchmarks.md, "GPU").
+This is how a slow order of the gradient kernel's loads was found (docs/kernels.md, "Benchmarks").
 Prints one line per shape.
 """
 

@@ -22,6 +22,7 @@ from grpo_kernels.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
+FIXTURES = Path(__file__).parent / "fixtures"  # recorded H100 runs the report is built from
 ALL = set(proof.GROUPS)
 
 
@@ -57,17 +58,17 @@ def test_every_plan_runs_the_same_phases():
 
 
 def _recorded(name: str) -> list[dict]:
-    records = json.loads((RESULTS / name).read_text())
+    records = json.loads((FIXTURES / name).read_text())
     for r in records:  # the runner of the oldest recorded runs kept no argv
         r.setdefault("argv", [])
     return records
 
 
 def test_report_of_the_recorded_h100_runs():
-    """The report's figures and targets on two real H100 runs (docs/benchmarks.md, "GPU"):
-    a build where pallas beat xla, and a build whose xla gradient had regressed."""
-    good = proof_report.build("real", _recorded("gpu_proof2_h100_2026-11-23.json"), 450.0)
-    bad = proof_report.build("real", _recorded("gpu_proof3_h100_2026-11-23.json"), 393.0)
+    """The report's figures and targets on two real H100 runs (fixtures/): a build where
+    pallas beat xla, and a build whose xla gradient had regressed."""
+    good = proof_report.build("real", _recorded("h100_proof_pallas_ahead.json"), 450.0)
+    bad = proof_report.build("real", _recorded("h100_proof_xla_regressed.json"), 393.0)
     for report in (good, bad):
         proof_report.validate(report)
         assert report["all_phases_ok"]
@@ -88,9 +89,9 @@ def test_report_of_the_recorded_h100_runs():
 
 
 def test_the_h100_proof_json_validates():
-    """The proof.json that `make gpu-proof` wrote on an H100 (docs/benchmarks.md, "The
-    one-command proof") against today's schema, and rebuilt from its own phase records."""
-    report = json.loads((RESULTS / "gpu_proof4_h100_2026-11-23.json").read_text())
+    """A proof.json that `make gpu-proof` wrote on an H100 (fixtures/, the default plan)
+    against the current schema, and rebuilt from its own phase records."""
+    report = json.loads((FIXTURES / "h100_proof_real_plan.json").read_text())
     proof_report.validate(report)
     assert report["plan"] == "real" and report["all_phases_ok"]
     # That run had one more bench, at the aligned vocabulary, where the layouts group (a plan
@@ -107,7 +108,7 @@ def test_the_h100_proof_json_validates():
 def test_report_of_the_back_to_back_h100_run():
     """The recorded run with the aligned layout the default: the step and the copy each timed
     alone and back to back; the back-to-back fraction divides by the back-to-back copy."""
-    report = json.loads((RESULTS / "gpu_proof7_back_to_back_h100_2026-11-24.json").read_text())
+    report = json.loads((RESULTS / "gpu_proof_back_to_back_h100_2026-11-24.json").read_text())
     proof_report.validate(report)
     rebuilt = proof_report.build(report["plan"], report["phases"], report["wall_s"])
     assert rebuilt["targets"] == report["targets"]

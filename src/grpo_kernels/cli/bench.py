@@ -101,11 +101,10 @@ def pipelined_ms(fn: Callable[[], Any], calls: int, rounds: int = 3,
 
     A call timed alone (host clock around one call and its wait) also holds the host's
     per-call cost: JAX's dispatch and the wake-up after the device finishes (a large share of
-    a millisecond step on an H100: docs/benchmarks.md, "GPU: the aligned layout becomes the
-    default"). Back to back, the
-    device runs the calls without waiting on the host whenever a call's device work outlasts
-    its dispatch, so this is the device's throughput, as inside a training step. Call ``fn``
-    once untimed first (compile).
+    a millisecond step on an H100: docs/benchmarks.md, "The logits loss on an H100"). Back to
+    back, the device runs the calls without waiting on the host whenever a call's device work
+    outlasts its dispatch, so this is the device's throughput, as inside a training step. Call
+    ``fn`` once untimed first (compile).
     """
     per_call = []
     for _ in range(rounds):

@@ -160,10 +160,11 @@ def dweight_rows(hidden: int, vocab: int, kind: str) -> int:
     shard passes the global ``V`` (its product shrinks with it). GPU: all ``H`` rows, one
     ``[H, c] x [c, V]`` product per chunk. Row blocks of a few dozen rows are skinny matmuls
     that each re-read the whole ``delta``; on an H100 they made the fused op slower than the
-    materialised reference (docs/benchmarks.md, "GPU"). TPU: :data:`TPU_DWEIGHT_ROWS`, at most
-    ``H``: XLA:TPU kept a whole ``[H, V]`` float32 product beside the accumulator and copied
-    ``W`` twice to relayout it (6.7 GB of temporaries at H = 4096, V = 151,936 against 3.6 GB
-    in 512-row blocks; timing not measured, no TPU has been lent).
+    materialised reference (docs/benchmarks.md, "How the GPU kernels' layout and tiling were
+    chosen"). TPU: :data:`TPU_DWEIGHT_ROWS`, at most ``H``: with all rows XLA:TPU kept a whole
+    ``[H, V]`` float32 product beside the accumulator and copied ``W`` twice to relayout it
+    (6.7 GB of temporaries at H = 4096, V = 151,936 against 3.6 GB in 512-row blocks; the time
+    on a TPU is not measured).
     """
     if kind == "tpu":
         return min(hidden, TPU_DWEIGHT_ROWS)

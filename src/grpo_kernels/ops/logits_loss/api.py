@@ -31,8 +31,8 @@ IMPL_CHOICES: tuple[str, ...] = ("auto", *IMPLEMENTATIONS)
 OPTION_TYPES: dict[str, type] = {"xla": XlaBlockSizes, "pallas": PallasOptions}
 
 # impl="auto" per backend: only choices a measured benchmark on that backend backs (the
-# figures are in docs/benchmarks.md, "GPU"; docs/kernels.md says how to add a row). Backends
-# not listed use xla.
+# figures are in docs/benchmarks.md, "The logits loss on an H100"; docs/kernels.md says how to
+# add a row). Backends not listed use xla.
 MEASURED_DEFAULTS: dict[str, str] = {"gpu": "pallas"}
 
 

@@ -15,10 +15,10 @@ The ragged last ``V mod block_vocab`` columns go through one more call of the sa
 grid ``(N,)``, a masked load and a masked store. Only that call masks, so the full tiles load
 and store in 16-byte vectors.
 
-Why one program per tile: with one program per row sweeping all of ``V`` (the first design), a
-4096-column tile in registers allowed about three programs per multiprocessor, and the whole
-step ran at well under half of an H100's copy bandwidth (docs/benchmarks.md, "GPU"). Tiles
-give ``N V / block_vocab`` independent programs and the scheduler keeps the memory system busy.
+Why one program per tile: one program per row sweeping all of ``V`` keeps a 4096-column tile
+in registers, which allows about three programs per multiprocessor, too few to keep an H100's
+memory system busy. Tiles give ``N V / block_vocab`` independent programs and the scheduler
+keeps it busy.
 
 Why Triton and not Mosaic GPU: in jax 0.10-0.11 the Triton lowering covers every NVIDIA GPU JAX
 supports (Ampere and newer) with plain ``pl.load``/``pl.store``; this op is a bandwidth-bound
@@ -66,9 +66,9 @@ def plan_blocks(vocab: int, block_vocab: int | None = None, layout: str = "rows"
     """Power-of-two tile of at most 8192 columns, 4 warps (64 columns per thread).
 
     The tile the H100 probe of tiles from 1024 to 8192 columns chose (benchmarks/probes/gpu_probes.py
-    step; the figures are in docs/benchmarks.md, "GPU"). ``layout="auto"`` is ``"aligned"``
-    (faster at every shape timed on an H100: docs/benchmarks.md, "GPU: the aligned layout
-    becomes the default") where ``N * V < 2^31`` (``n`` rows; its int32 offsets), else ``"rows"``.
+    step; the figures are in docs/benchmarks.md, "How the GPU kernels' layout and tiling were
+    chosen"). ``layout="auto"`` is ``"aligned"`` (faster at every shape timed on an H100,
+    the same section) where ``N * V < 2^31`` (``n`` rows; its int32 offsets), else ``"rows"``.
     """
     if block_vocab is None:
         block_vocab = min(8192, pl.next_power_of_2(vocab))

@@ -2,7 +2,8 @@ r"""The GPU kernels' ``"aligned"`` layout: 16-byte aligned tiles and no column i
 
 Same math and the same ``(N, tiles)`` grid as :mod:`~grpo_kernels.ops.logits_loss.pallas_gpu`'s
 ``"rows"`` layout, with two changes, both aimed at the rows layout's statistics kernel, which
-read at about 1 TB/s on an H100, a third of the copy bandwidth (docs/benchmarks.md, "GPU").
+read at about 1 TB/s on an H100, a third of the copy bandwidth (docs/kernels.md, "GPU: the
+``"aligned"`` layout").
 
 **Aligned tiles.** The logits are addressed as one flat ``[N V]`` array. Row ``r`` starts at
 element ``r V``; its tiles start at the first 16-byte boundary after that,
