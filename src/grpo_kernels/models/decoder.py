@@ -67,8 +67,8 @@ def linear(x: Array, w: Array, dtype: Any) -> Array:
 
     For bfloat16 this is the rounding of a bfloat16-output dot, but XLA:CPU runs a
     float32-output dot of bfloat16 operands on its fast matmul path and a bfloat16-output one on
-    a slow path (``benchmarks/probes/decoder_cpu_probes.py --only dots``; the figures are in
-    docs/benchmarks.md). The
+    a slow path (docs/benchmarks.md, "Sampling throughput on a CPU", has the figures and the
+    probe). The
     gradient is written out for the same reason:
 
     .. math::

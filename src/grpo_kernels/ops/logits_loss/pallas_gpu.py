@@ -65,8 +65,8 @@ def plan_blocks(vocab: int, block_vocab: int | None = None, layout: str = "rows"
                 n: int | None = None) -> GpuBlocks:
     """Power-of-two tile of at most 8192 columns, 4 warps (64 columns per thread).
 
-    The tile the H100 probe of tiles from 1024 to 8192 columns chose (benchmarks/probes/gpu_probes.py
-    step; the figures are in docs/benchmarks.md, "How the GPU kernels' layout and tiling were
+    The tile an H100 probe of tiles from 1024 to 8192 columns chose (the figures and the probe
+    are in docs/benchmarks.md, "How the GPU kernels' layout and tiling were
     chosen"). ``layout="auto"`` is ``"aligned"`` (faster at every shape timed on an H100,
     the same section) where ``N * V < 2^31`` (``n`` rows; its int32 offsets), else ``"rows"``.
     """
