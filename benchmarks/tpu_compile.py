@@ -82,7 +82,8 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.ops.core.dtypes import DTYPE_CHOICES, dtype_name, parse_dtype
 from grpo_kernels.ops.core.tpu import GENERATIONS, row_major_by_default
-from grpo_kernels.proof.shapes import GEMMA3, MODELS, model_config, tunix_config
+from grpo_kernels.proof.shapes import (GEMMA3, MODELS, check_at_least_one, model_config,
+                                       tunix_config)
 
 # Topologies per generation as libtpu 0.0.42 spells them, smallest first (the first of each
 # is one host; v5e:2x4, v5p:2x2x2 and larger span several).
@@ -633,12 +634,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [a for a in args.arms if a not in arms]
     if bad:
         p.error(f"--arms: {bad} not among {op}'s {list(arms)}")
-    for name in ("rows", "prompt", "completion"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if op == "train-step" and args.model in GEMMA3:
-        p.error(f"--model {args.model} is a tunix preset: use it with --op tunix-step")
     try:
+        check_at_least_one(args, ("rows", "prompt", "completion"))
+        if op == "train-step" and args.model in GEMMA3:
+            raise ValueError(f"--model {args.model} is a tunix preset: use it with --op "
+                             "tunix-step")
         (model_config if op == "train-step" else tunix_config)(args.model, args.layers)
     except ValueError as e:
         p.error(str(e))

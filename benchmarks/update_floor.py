@@ -58,10 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     total = shapes.RUN_MODELS[args.model][2]
     args.layers = total if args.layers is None else args.layers
-    for name in ("rows", "prompt", "completion", "iters"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     try:
+        shapes.check_at_least_one(args, ("rows", "prompt", "completion", "iters"))
         shapes.check_layers(args.model, args.layers, total)
     except ValueError as e:
         p.error(str(e))

@@ -94,12 +94,10 @@ def parse_step_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     naming it; ``--compile-cache`` takes effect."""
     args = p.parse_args(argv)
     use_compile_cache(args.compile_cache)
-    for name in ("rows", "prompt", "completion", "iters"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        p.error(f"--warmup must be at least 0, got {args.warmup}")
     try:
+        shapes.check_at_least_one(args, ("rows", "prompt", "completion", "iters"))
+        if args.warmup < 0:
+            raise ValueError(f"--warmup must be at least 0, got {args.warmup}")
         shapes.model_config(args.model, args.layers, MODELS)
     except ValueError as e:
         p.error(str(e))

@@ -29,6 +29,15 @@ def check_layers(name: str, layers: int, total: int) -> None:
         raise ValueError(f"--layers must be in [1, {total}] for {name}, got {layers}")
 
 
+def check_at_least_one(args, names: tuple[str, ...]) -> None:
+    """ValueError, worded for its flag, for the first of ``names`` (attributes of parsed
+    ``args``, each a count such as ``rows``) below 1."""
+    for name in names:
+        value = getattr(args, name)
+        if value < 1:
+            raise ValueError(f"--{name} must be at least 1, got {value}")
+
+
 def model_config(name: str, layers: int, models: dict | None = None):
     """The ``ModelConfig`` of shape ``name`` (of ``models``, default :data:`MODELS`), its
     first ``layers`` layers, bf16 parameters and compute."""
