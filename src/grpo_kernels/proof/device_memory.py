@@ -17,6 +17,7 @@ bytes, and for the logits op the budget ``logits + dlogits`` (``2 N V b``).
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import json
 import os
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     dump = None
     if args.buffer_report:  # before the backend starts, which reads XLA_FLAGS once
         dump = tempfile.mkdtemp(prefix="device_memory_")
+        atexit.register(shutil.rmtree, dump, True)  # also where the run skips or fails
         os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} "
                                    "--xla_dump_hlo_module_re=jit_loss").strip()
     if args.compile_cache:
