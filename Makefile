@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo learn docs ab-head test test-fast bench bench-lm-head bench-mesh gradcheck-grid proof-wheels gpu-proof clean
+.PHONY: demo learn docs ab-head test test-fast test-tunix-head bench bench-lm-head bench-mesh gradcheck-grid proof-wheels gpu-proof clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,33 @@ MULTIDEVICE := XLA_FLAGS="$$XLA_FLAGS --xla_force_host_platform_device_count=8"
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --ignore=tests/sharding
 	$(MULTIDEVICE) $(BIN)/python -m pytest -q -n 2 tests/sharding
+	$(MAKE) --no-print-directory test-tunix-head
+
+# The tunix integration's tests a second time, against tunix's development head (what MaxText
+# installs): the vendored snapshot in ../shared/vendor (its README), installed without
+# dependencies into .venv/tunix-head and put first on the import path. A checkout without it
+# says so in one line and runs nothing.
+TUNIX_HEAD_TGZ := ../shared/vendor/google-tunix-c7d8950f.tar.gz
+TUNIX_HEAD := $(VENV)/tunix-head
+TUNIX_TESTS := tests/integrations/test_tunix.py tests/integrations/test_tunix_log_probs.py \
+	tests/integrations/test_tunix_modules.py tests/integrations/test_tunix_example.py
+TUNIX_MESH_TESTS := tests/sharding/test_tunix_mesh.py
+$(TUNIX_HEAD)/.installed: | $(STAMP)
+	rm -rf $(TUNIX_HEAD) && tmp=$$(mktemp -d) && tar -xzf $(TUNIX_HEAD_TGZ) -C $$tmp && \
+		$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps \
+		--no-build-isolation --target $(TUNIX_HEAD) $$tmp/google-tunix-c7d8950f && \
+		rm -rf $$tmp && touch $@
+
+test-tunix-head: $(STAMP)
+	@if [ -f $(TUNIX_HEAD_TGZ) ]; then \
+		$(MAKE) --no-print-directory $(TUNIX_HEAD)/.installed && \
+		echo "tunix development head ($(TUNIX_HEAD_TGZ)): the tunix integration tests" && \
+		PYTHONPATH=$(CURDIR)/$(TUNIX_HEAD) $(BIN)/python -m pytest -q -n 2 $(TUNIX_TESTS) && \
+		PYTHONPATH=$(CURDIR)/$(TUNIX_HEAD) $(MULTIDEVICE) $(BIN)/python -m pytest -q -n 2 \
+			$(TUNIX_MESH_TESTS); \
+	else \
+		echo "tunix development head: not tested ($(TUNIX_HEAD_TGZ) is not here)"; \
+	fi
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 -m "not slow" --ignore=tests/sharding

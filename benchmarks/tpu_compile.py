@@ -466,6 +466,7 @@ def tunix_step(arm: str, generation: str, device, model, rows: int, prompt: int,
     from flax import nnx
     from tunix.rl import common
 
+    from grpo_kernels.integrations import tunix as ours
     from grpo_kernels.proof.shapes import algo_config
     sh = SingleDeviceSharding(device)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -484,7 +485,7 @@ def tunix_step(arm: str, generation: str, device, model, rows: int, prompt: int,
     fn = tunix_loss_fn(arm, generation)
 
     def loss(p, ex):
-        return fn(nnx.merge(graphdef, p, rest), ex, config, PAD, EOS)[0]
+        return ours.differentiated(fn(nnx.merge(graphdef, p, rest), ex, config, PAD, EOS))
     return jax.jit(jax.value_and_grad(loss)), (params, example)
 
 

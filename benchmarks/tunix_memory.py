@@ -90,6 +90,8 @@ def temp_bytes(loss_fn: Any, hidden: int, tokens: int, vocab: int,
     from tunix.rl import common
     from tunix.rl.grpo.grpo_learner import GRPOConfig
 
+    from grpo_kernels.integrations import tunix as ours
+
     model, tied = _head_model(hidden, vocab)
     trained = nnx.Param if tied else nnx.All(nnx.Param, nnx.Not(nnx.PathContains("embedder")))
     graphdef, params, rest = nnx.split(model, trained, ...)
@@ -103,7 +105,7 @@ def temp_bytes(loss_fn: Any, hidden: int, tokens: int, vocab: int,
     algo.temperature = 1.0  # the learner copies the rollout temperature here
 
     def loss(p, frozen, ex):
-        return loss_fn(nnx.merge(graphdef, p, frozen), ex, algo, 0, 1)[0]
+        return ours.differentiated(loss_fn(nnx.merge(graphdef, p, frozen), ex, algo, 0, 1))
 
     step = jax.jit(jax.value_and_grad(loss))
     return step.lower(params, rest, example).compile().memory_analysis().temp_size_in_bytes

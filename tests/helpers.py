@@ -182,3 +182,18 @@ def take_plan_of(monkeypatch, module: Any, kind: str) -> None:
 def lowered_text(fn: Callable, *args: Any, platform: str) -> str:
     """The StableHLO of ``jit(fn)(*args)`` lowered for ``platform`` (no device needed)."""
     return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def pairwise(*factors) -> list[tuple]:
+    """A subset of ``itertools.product(*factors)`` in which every pair of levels of every two
+    factors occurs at least once (greedy: each next case covers the most uncovered pairs, the
+    first in product order on a tie; deterministic)."""
+    cases = list(itertools.product(*factors))
+    pairs = lambda c: {(i, c[i], j, c[j]) for i, j in itertools.combinations(range(len(c)), 2)}  # noqa: E731
+    uncovered = set().union(*(pairs(c) for c in cases))
+    chosen = []
+    while uncovered:
+        best = max(cases, key=lambda c: len(pairs(c) & uncovered))
+        chosen.append(best)
+        uncovered -= pairs(best)
+    return chosen

@@ -9,19 +9,41 @@ from __future__ import annotations
 import numpy as np
 
 
-def _aggregate(per_token, mask, cfg, num_items):
-    """TRL's aggregation by ``loss_type``, or tunix's ``loss_agg_mode`` (common.aggregate_loss)."""
+def _sequences(mask, segments):
+    """The sequences of a batch as lists of ``(row, positions)``: one per row, or with packed
+    rows (``segments = (ids, count)``) one per segment id >= 1 present in a row, and the
+    padding segment 0 of each row apart."""
+    if segments is None:
+        return [(b, np.arange(mask.shape[1])) for b in range(mask.shape[0])], []
+    ids = np.asarray(segments[0])
+    real, padding = [], []
+    for b in range(ids.shape[0]):
+        for k in np.unique(ids[b]):
+            (real if k != 0 else padding).append((b, np.flatnonzero(ids[b] == k)))
+    return real, padding
+
+
+def _aggregate(per_token, mask, cfg, num_items, segments=None):
+    """TRL's aggregation by ``loss_type``, or tunix's ``loss_agg_mode`` (common.aggregate_loss;
+    with packed rows, its segment-aware form)."""
     mode = cfg.loss_agg_mode
-    seq_sum = (per_token * mask).sum(-1)
-    rows = max((mask.sum(-1) > 0).sum(), 1)
+    norm = cfg.loss_agg_norm
+    seqs, _ = _sequences(mask, segments)
+    sums = [(per_token[b, pos] * mask[b, pos]).sum() for b, pos in seqs]
+    counts = [mask[b, pos].sum() for b, pos in seqs]
+    live = [i for i, c in enumerate(counts) if c > 0]
+    rows = max(len(live), 1)
     if mode == "token-mean" or (mode is None and cfg.loss_type == "bnpo"):
         return (per_token * mask).sum() / max(mask.sum(), 1)
     if mode == "sequence-mean-token-mean":
-        return (seq_sum / np.maximum(mask.sum(-1), 1)).sum() / rows
+        return sum(sums[i] / max(counts[i], 1) for i in live) / rows
     if mode == "sequence-mean-token-scale":
-        return (seq_sum / per_token.shape[-1]).sum() / rows
-    if mode in ("seq-mean-token-sum", "sequence-mean-token-sum-norm"):
-        return seq_sum.sum() / rows
+        return sum(sums[i] for i in live) / (per_token.shape[-1] if norm is None else norm) / rows
+    if mode == "seq-mean-token-sum":
+        return sum(sums[i] for i in live) / rows
+    if mode == "sequence-mean-token-sum-norm":
+        return (per_token * mask).sum() / (rows if norm is None else norm)
+    seq_sum = (per_token * mask).sum(-1)
     if cfg.loss_type in ("grpo", "sapo"):
         return (seq_sum / np.maximum(mask.sum(-1), 1)).mean()
     if cfg.loss_type == "luspo":  # TRL 1.16: mask, sum each row, mean over rows
@@ -61,8 +83,9 @@ def _gamma_weights(log_ratio, mask, adv, ratio, cfg):
 
 
 def oracle(logits, ids, mask, adv, cfg, old=None, ref=None, num_items=None, sampler=None,
-           sampler_logps=None):
-    """Returns ``(loss, metrics)`` in float64. Inputs are NumPy arrays (any float dtype).
+           sampler_logps=None, segments=None):
+    """Returns ``(loss, metrics)`` in float64. Inputs are NumPy arrays (any float dtype);
+    ``adv`` is ``[B]`` or ``[B, T]``; ``segments``: ``(ids [B, T], count)`` of packed rows.
 
     The value only: at ``importance_sampling_level="sequence_token"`` the loss equals the
     ``sequence`` one (the levels differ in their gradients alone)."""
@@ -77,17 +100,23 @@ def oracle(logits, ids, mask, adv, cfg, old=None, ref=None, num_items=None, samp
     with np.errstate(invalid="ignore"):
         entropy = -np.where(p > 0, p * logsm, 0.0).sum(-1)
     mask = np.asarray(mask, np.float64)
-    adv = np.asarray(adv, np.float64)[:, None]
+    adv = np.asarray(adv, np.float64)
+    adv = adv[:, None] if adv.ndim == 1 else adv
     old = logp if old is None else np.asarray(old, np.float64)
     diff = logp - old
     if cfg.log_ratio_clamp is not None:
         diff = np.clip(diff, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     if cfg.importance_sampling_level == "token":
         log_w = diff
-    else:
+    elif segments is None:
         log_w = (diff * mask).sum(-1, keepdims=True) / np.maximum(mask.sum(-1, keepdims=True), 1)
-        if cfg.sequence_log_ratio_max is not None:
-            log_w = np.minimum(log_w, cfg.sequence_log_ratio_max)
+    else:  # each segment's mean, padding's included (tunix pools segment 0 alike)
+        log_w = np.zeros_like(diff)
+        real, padding = _sequences(mask, segments)
+        for b, pos in real + padding:
+            log_w[b, pos] = (diff[b, pos] * mask[b, pos]).sum() / max(mask[b, pos].sum(), 1)
+    if cfg.importance_sampling_level != "token" and cfg.sequence_log_ratio_max is not None:
+        log_w = np.minimum(log_w, cfg.sequence_log_ratio_max)
     coef_1 = np.exp(log_w)
     unclipped = coef_1
     ratio = None if cfg.sampler_correction is None else _sampler_ratio(old, sampler_logps,
@@ -133,8 +162,8 @@ def oracle(logits, ids, mask, adv, cfg, old=None, ref=None, num_items=None, samp
             kl = np.clip(kl, -cfg.kl_clamp, cfg.kl_clamp)
         if cfg.kl_bias_correction:
             kl = kl * unclipped
-    policy_loss = _aggregate(policy, mask, cfg, num_items)
-    kl_loss = 0.0 if kl is None else _aggregate(kl, mask, cfg, num_items)
+    policy_loss = _aggregate(policy, mask, cfg, num_items, segments)
+    kl_loss = 0.0 if kl is None else _aggregate(kl, mask, cfg, num_items, segments)
     loss = policy_loss + cfg.beta * kl_loss if cfg.beta > 0 else policy_loss
     if cfg.entropy_coef != 0:  # TRL 1.16: a token mean, whatever the loss type normalises by
         effective = mask * selected
@@ -143,9 +172,14 @@ def oracle(logits, ids, mask, adv, cfg, old=None, ref=None, num_items=None, samp
     n_tok = max(mask.sum(), 1)
 
     def batch_mean(x):
-        if x.shape[1] == 1:
-            return x.mean()
-        return (x * mask).sum() / n_tok
+        if cfg.importance_sampling_level == "token":
+            return (np.broadcast_to(x, mask.shape) * mask).sum() / n_tok
+        if segments is None:  # one value per sequence
+            return np.broadcast_to(x, mask.shape)[:, 0].mean()
+        x = np.broadcast_to(x, mask.shape)
+        live = [(b, pos) for b, pos in _sequences(mask, segments)[0] if mask[b, pos].sum() > 0]
+        return sum((x[b, pos] * mask[b, pos]).sum() / mask[b, pos].sum()
+                   for b, pos in live) / max(len(live), 1)
 
     low = ((coef_1 < 1 - cfg.epsilon_low) & (adv < 0)).astype(np.float64)
     high = ((coef_1 > 1 + cfg.epsilon_high) & (adv > 0)).astype(np.float64)

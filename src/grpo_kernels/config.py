@@ -77,6 +77,11 @@ class GRPOLossConfig:
       loss_agg_mode: ``None``: the ``loss_type``'s aggregation (TRL). Otherwise one of tunix's
         five aggregations, which replaces it (see
         :func:`grpo_kernels.objective.token_weights`).
+      loss_agg_norm: tunix's ``norm`` of two aggregations, ``None`` for their defaults: the
+        divisor of each sequence's sum in ``sequence-mean-token-scale`` (default: the
+        completion length ``T``; required with packed rows) and of the whole sum in
+        ``sequence-mean-token-sum-norm`` (default: the non-empty sequences). Ignored by the
+        other aggregations; needs ``loss_agg_mode``.
       kl_estimator: With :math:`d = \log\pi_{ref} - \log\pi`: ``k3`` (default,
         :math:`e^d - d - 1`; tunix's ``low_var_kl``), ``k1`` (:math:`-d`; tunix's ``kl``) or
         ``k2`` (:math:`d^2 / 2`; tunix's ``mse_kl``).
@@ -121,6 +126,7 @@ class GRPOLossConfig:
     importance_sampling_level: ImportanceSamplingLevel = "token"
     max_completion_length: int | None = None
     loss_agg_mode: str | None = None
+    loss_agg_norm: float | None = None
     kl_estimator: KlEstimator = "k3"
     kl_clamp: float | None = None
     dual_clip: float | None = None
@@ -172,6 +178,10 @@ class GRPOLossConfig:
             self.loss_agg_mode is None or self.loss_agg_mode in LOSS_AGG_MODES,
             f"loss_agg_mode must be None or one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}",
         )
+        _optional_positive("loss_agg_norm", self.loss_agg_norm)
+        _require(self.loss_agg_norm is None or self.loss_agg_mode is not None,
+                 "loss_agg_norm is tunix's norm of a loss_agg_mode; set loss_agg_mode too "
+                 f"(loss_agg_norm={self.loss_agg_norm!r}, loss_agg_mode=None)")
         _require(
             self.kl_estimator in KL_ESTIMATORS,
             f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}",

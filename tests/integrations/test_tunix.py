@@ -1,8 +1,11 @@
-"""grpo_kernels.integrations.tunix against tunix's own "grpo" loss on tiny random tunix models.
+"""grpo_kernels.integrations.tunix against tunix's own "grpo" loss on tiny random tunix models,
+on whichever tunix is installed (0.1.7, or its development head: make test runs this file
+against both).
 
 The parity grid: every loss_agg_mode x kl_loss_mode x loss_algo x (epsilon_c on /
-off) x (sampler weights on / off), loss and gradients w.r.t. every model parameter, float32
-relative error <= 1e-5, for both registered losses.
+off) x (sampler weights on / off) (against the head, every pair of them), loss and gradients
+w.r.t. every model parameter, float32 relative error <= 1e-5, for both registered losses; then
+packed rows (every aggregation, both algorithms) and the head's chunked log-prob mode.
 """
 
 import dataclasses
@@ -17,20 +20,24 @@ import pytest
 tunix_available = pytest.importorskip(
     "tunix", reason="google-tunix is not installed (make test installs grpo-kernels[tunix])")
 
-from tunix.rl import algo_core, function_registry  # noqa: E402
+from tunix.rl import algo_core, common, function_registry  # noqa: E402
 from tunix.rl.grpo.grpo_learner import GRPOConfig  # noqa: E402
 
 from grpo_kernels import LmHeadBlockSizes  # noqa: E402
 from grpo_kernels.config import LOSS_AGG_MODES  # noqa: E402
 from grpo_kernels.integrations import tunix as ours  # noqa: E402
-from grpo_kernels.integrations import tunix_modules  # noqa: E402
+from grpo_kernels.integrations.tunix import models as tunix_modules  # noqa: E402
+from grpo_kernels.integrations.tunix import offers  # noqa: E402
+from tests.helpers import pairwise  # noqa: E402
 from tests.integrations.tunix_models import (  # noqa: E402
-    EOS, PAD, loss_and_grads, max_rel_err, tiny_model, train_example)
-
-TOL = 1e-5
+    EOS, PAD, TOL, assert_parity, loss_and_grads, max_rel_err, packed_example, tiny_model,
+    train_example)
 KL_MODES = ("kl", "mse_kl", "low_var_kl")
-GRID = list(itertools.product(LOSS_AGG_MODES, KL_MODES, ("grpo", "gspo-token"), (None, 3.0),
-                              (False, True)))
+FACTORS = (LOSS_AGG_MODES, KL_MODES, ("grpo", "gspo-token"), (None, 3.0), (False, True))
+# Against 0.1.7 every combination. Against the head, whose losses run the same ops and differ
+# in what they return, every pair of options (docs/integrations/tunix.md records the whole
+# product against it too).
+GRID = list(itertools.product(*FACTORS)) if offers.loss_output() is None else pairwise(*FACTORS)
 
 
 def grid_id(case):
@@ -86,18 +93,64 @@ def test_parity_with_tunix_grpo(qwen3, case):
         assert_parity(fn.__name__, (loss, aux, grads), (want, want_aux, want_g))
 
 
-def assert_parity(name, got, want):
-    (loss, aux, grads), (want_loss, want_aux, want_g) = got, want
-    assert np.isfinite(float(loss)), name
-    np.testing.assert_allclose(float(loss), float(want_loss), rtol=TOL, atol=TOL * 1e-2,
-                               err_msg=name)
-    assert max_rel_err(grads, want_g) <= TOL, name
-    for key, value in want_aux.items():
-        np.testing.assert_allclose(float(aux[key]), float(value), rtol=TOL, atol=1e-6,
-                                   err_msg=f"{name}: {key}")
-
-
 TUNIX_LIKE = ("sequence-mean-token-mean", "low_var_kl", "gspo-token", 3.0)
+LOSSES = (ours.logits_policy_loss, ours.fused_policy_loss)
+
+
+@pytest.fixture(scope="module")
+def packed():
+    model = tiny_model("qwen2", seed=20, tied=True)
+    return model, packed_example(model, seed=21, sampler=True)
+
+
+@pytest.mark.parametrize("agg", LOSS_AGG_MODES)
+def test_packed_rows_match_tunix(packed, agg):
+    """Packed rows as tunix packs them, gspo-token and grpo: the installed tunix's own loss
+    (0.1.7: aggregated per row; the head: per segment) and both of ours. Where tunix refuses
+    the combination (the head's sequence-mean-token-scale without a norm), ours refuses it
+    too."""
+    model, example = packed
+    for algo in ("grpo", "gspo-token"):
+        cfg = algo_config(agg, "low_var_kl", algo, 3.0)
+        try:
+            want = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg, jit=False)
+        except ValueError as e:
+            assert "norm" in str(e)
+            for fn in LOSSES:
+                with pytest.raises(ValueError, match="loss_agg_norm"):
+                    loss_and_grads(fn, model, example, cfg, jit=False)
+            continue
+        for fn in LOSSES:
+            assert_parity(f"packed-{algo}-{fn.__name__}",
+                          loss_and_grads(fn, model, example, cfg, jit=False), want)
+
+
+def test_packing_matters(packed):
+    """The rows' segments change what the objective computes (so the test above could not
+    pass by ignoring them where tunix pools per segment): on this example, per segment and per
+    row give different losses."""
+    from grpo_kernels import GRPOLossConfig, Segments, grpo_loss
+
+    model, example = packed
+    ex = ours.example_inputs(example)
+    z = jax.random.normal(jax.random.key(0), (*ex.ids.shape, 31))
+    seg = Segments(example.segment_ids[:, 1:], 5)
+    losses = [float(grpo_loss(z, ex.ids, ex.mask, ex.advantages, config=GRPOLossConfig(
+        loss_agg_mode="sequence-mean-token-mean", importance_sampling_level="sequence_token"),
+        old_logps=ex.old_logps, segments=s)[0]) for s in (seg, None)]
+    assert abs(losses[0] - losses[1]) > 1e-3, losses
+
+
+def test_chunked_mode_gives_the_same_result(qwen3):
+    """tunix's head with compute_logps_chunk_size > 0 (its learner passes it to every policy
+    loss): tunix's own loss, chunked, against ours given the same keyword."""
+    model, examples = qwen3
+    cfg = algo_config(*TUNIX_LIKE)
+    want = loss_and_grads(algo_core.grpo_loss_fn, model, examples[True], cfg, jit=False,
+                          compute_logps_chunk_size=3)
+    for fn in LOSSES:
+        assert_parity(f"chunked-{fn.__name__}", loss_and_grads(
+            fn, model, examples[True], cfg, jit=False, compute_logps_chunk_size=3), want)
 
 
 @pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen2", False), ("qwen3", True),
@@ -166,7 +219,7 @@ def test_fused_update_holds_no_logits_sized_temporaries():
 
     def temp_bytes(fn):
         def f(p):
-            return fn(nnx.merge(graphdef, p, rest), example, cfg, PAD, EOS)[0]
+            return ours.differentiated(fn(nnx.merge(graphdef, p, rest), example, cfg, PAD, EOS))
         step = jax.jit(jax.value_and_grad(f))
         return step.lower(params).compile().memory_analysis().temp_size_in_bytes
 
@@ -196,8 +249,8 @@ def test_tied_bf16_update_plans_no_float32_copy_of_the_embedding(monkeypatch):
 
     def temp_bytes():
         def f(p):
-            return ours.fused_policy_loss(nnx.merge(graphdef, p, rest), example, cfg, PAD,
-                                          EOS)[0]
+            return ours.differentiated(ours.fused_policy_loss(nnx.merge(graphdef, p, rest),
+                                                              example, cfg, PAD, EOS))
         return jax.jit(jax.value_and_grad(f)).lower(params).compile().memory_analysis() \
             .temp_size_in_bytes
 
@@ -242,10 +295,15 @@ def test_errors_name_the_field():
     cfg = algo_config(*TUNIX_LIKE)
     with pytest.raises(ValueError, match="NotATunixModel is not a tunix Qwen2, Qwen3, Llama3"):
         ours.fused_policy_loss(NotATunixModel(), example, cfg, PAD, EOS)
-    packed = dataclasses.replace(example, segment_ids=jnp.ones_like(example.completion_ids))
-    with pytest.raises(ValueError, match="train_example.segment_ids"):
+    packed = dataclasses.replace(example, segment_ids=jnp.ones_like(example.completion_ids),
+                                 segment_positions=jnp.zeros_like(example.completion_ids))
+    with pytest.raises(ValueError, match=r"train_example.prompt_ids must be empty \(\[B, 0\]\)"):
         ours.fused_policy_loss(model, packed, cfg, PAD, EOS)
-    per_token = dataclasses.replace(example, advantages=jnp.ones(example.completion_ids.shape))
+    if offers.packs_per_segment():
+        unbounded = dataclasses.replace(packed, prompt_ids=packed.prompt_ids[:, :0])
+        with pytest.raises(ValueError, match="train_example.num_segments must be set"):
+            ours.fused_policy_loss(model, unbounded, cfg, PAD, EOS)
+    per_token = dataclasses.replace(example, advantages=jnp.ones((4, 3)))
     with pytest.raises(ValueError, match=r"train_example.advantages must be \[B\]"):
         ours.logits_policy_loss(model, per_token, cfg, PAD, EOS)
     for field, value, match in (("kl_loss_mode", "js", "GRPOConfig.kl_loss_mode"),

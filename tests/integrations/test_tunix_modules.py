@@ -2,6 +2,7 @@
 logits, and that what they read is what the model's own ``__call__`` computes: qwix LoRA
 adapters included (tunix's way of adding LoRA), every other case falling back or raising."""
 
+import functools
 import re
 
 import jax
@@ -15,10 +16,11 @@ from flax import nnx  # noqa: E402
 from tunix.rl import algo_core  # noqa: E402
 
 from grpo_kernels.integrations import tunix as ours  # noqa: E402
-from grpo_kernels.integrations import tunix_modules  # noqa: E402
-from tests.integrations.test_tunix import TUNIX_LIKE, algo_config, assert_parity  # noqa: E402
+from grpo_kernels.integrations.tunix import models as tunix_modules  # noqa: E402
+from tests.integrations.test_tunix import TUNIX_LIKE, algo_config  # noqa: E402
 from tests.integrations.tunix_models import (  # noqa: E402
-    EOS, PAD, halved, loss_and_grads, tiny_model, train_example)
+    EOS, PAD, AdapterModel, assert_parity, halved, loss_and_grads, packed_example, tiny_model,
+    train_example)
 
 BODY = ".*attn.*|.*mlp.*"  # the decoder layers' projections, as tunix's LoRA examples adapt
 
@@ -58,7 +60,7 @@ def test_lora_adapted_models_match_tunix(family, tied):
     assert not jax.tree.leaves(nnx.state(adapted, nnx.Intermediate))  # nothing left sown
 
 
-@pytest.mark.parametrize("case", ["lora-on-head", "qwix-llama3", "own-call"])
+@pytest.mark.parametrize("case", ["lora-on-head", "own-call"])
 def test_models_not_read_fall_back_or_raise(case):
     """A model whose logits cannot be formed from its hidden states and head weights: the
     logits-level loss calls the model (and equals tunix's), the fused loss raises why."""
@@ -81,6 +83,29 @@ def test_models_not_read_fall_back_or_raise(case):
                   want)
     with pytest.raises(ValueError, match=f"grpo_kernels_fused needs .*{reason}"):
         ours.fused_policy_loss(model, example, cfg, PAD, EOS)
+
+
+def test_qwix_llama3_is_read_where_its_call_skips_the_head():
+    """A qwix-adapted Llama3: tunix's head returns its hidden states from its own (adapted)
+    ``__call__`` with ``skip_lm_head=True``, so both losses read it and equal tunix's; 0.1.7's
+    returns none, so the logits-level loss calls it and the fused loss says why not."""
+    model = tiny_model("llama3", seed=4)
+    example = train_example(model, seed=5)
+    adapted = with_lora(model, example, BODY)
+    cfg = algo_config(*TUNIX_LIKE)
+    want = loss_and_grads(algo_core.grpo_loss_fn, adapted, example, cfg, jit=False)
+    if tunix_modules.skips_lm_head(adapted):
+        assert tunix_modules.head_blocker(adapted) is None
+        for fn in (ours.logits_policy_loss, ours.fused_policy_loss):
+            assert_parity(f"llama3-lora-{fn.__name__}",
+                          loss_and_grads(fn, adapted, example, cfg, jit=False), want)
+        return
+    reason = "inside Llama3.__call__"
+    assert re.search(reason, tunix_modules.head_blocker(adapted))
+    assert_parity("llama3-lora-logits", loss_and_grads(ours.logits_policy_loss, adapted,
+                                                       example, cfg, jit=False), want)
+    with pytest.raises(ValueError, match=f"grpo_kernels_fused needs .*{reason}"):
+        ours.fused_policy_loss(adapted, example, cfg, PAD, EOS)
 
 
 def test_soft_capped_gemma_is_read_with_its_cap():
@@ -141,9 +166,55 @@ def test_lora_update_drops_the_models_unused_logits():
     cfg = algo_config("token-mean", "low_var_kl", "grpo", None)
 
     def f(p):
-        return ours.fused_policy_loss(nnx.merge(graphdef, p, rest), example, cfg, PAD, EOS,
-                                      options=LmHeadBlockSizes(chunk_tokens=32))[0]
+        return ours.differentiated(ours.fused_policy_loss(
+            nnx.merge(graphdef, p, rest), example, cfg, PAD, EOS,
+            options=LmHeadBlockSizes(chunk_tokens=32)))
     temp = jax.jit(jax.value_and_grad(f)).lower(lora).compile().memory_analysis() \
         .temp_size_in_bytes
     logits_f32 = 4 * 4 * 64 * 16_384
     assert temp < 0.75 * logits_f32, (temp, logits_f32)
+
+
+def test_a_model_of_tunixs_chunked_protocol_is_read_by_its_head_function():
+    """MaxText's adapter interface (a stand-in: ``skip_lm_head`` hidden states before the
+    final norm, ``compute_final_logits`` applying norm, head and a soft cap; no weights we
+    read): both losses equal tunix's, unpacked and packed; the fused loss forms the logits a
+    few positions at a time."""
+    from grpo_kernels import LmHeadBlockSizes
+
+    model = AdapterModel(seed=3)
+    assert tunix_modules.reading(model) == "function"
+    cfg = algo_config(*TUNIX_LIKE)
+    for example in (train_example(model, seed=4, sampler=True), packed_example(model, seed=5)):
+        want = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg, jit=False)
+        chunked = functools.partial(ours.fused_policy_loss,
+                                    options=LmHeadBlockSizes(chunk_tokens=6))
+        for name, fn in (("logits", ours.logits_policy_loss), ("fused", ours.fused_policy_loss),
+                         ("fused-chunks", chunked)):
+            assert_parity(f"adapter-{name}", loss_and_grads(fn, model, example, cfg, jit=False),
+                          want)
+
+
+def test_head_function_update_holds_no_logits():
+    """Compile-only, V = 16,384: one jitted update of the stand-in through its
+    ``compute_final_logits`` in chunks of 16 tokens plans less than half of one float32
+    ``[B, T, V]`` (a chunk's logits and the few float32 arrays of their log-softmax and
+    gradient, about five chunks' worth, twice that at 32 tokens); tunix's own loss plans more
+    than two."""
+    from grpo_kernels import LmHeadBlockSizes
+
+    model = AdapterModel(vocab=16_384, seed=6)
+    example = train_example(model, seed=7, batch=4, prompt=8, completion=64, vocab=16_384)
+    cfg = algo_config("token-mean", "low_var_kl", "grpo", None)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def temp(fn):
+        def f(p):
+            return ours.differentiated(fn(nnx.merge(graphdef, p, rest), example, cfg, PAD, EOS))
+        return jax.jit(jax.value_and_grad(f)).lower(params).compile().memory_analysis() \
+            .temp_size_in_bytes
+    logits_f32 = 4 * 4 * 64 * 16_384
+    fused = [temp(functools.partial(ours.fused_policy_loss,
+                                    options=LmHeadBlockSizes(chunk_tokens=n))) for n in (16, 32)]
+    assert temp(algo_core.grpo_loss_fn) > 2 * logits_f32
+    assert fused[0] < 0.5 * logits_f32 and 1.8 < fused[1] / fused[0] < 2.2, fused

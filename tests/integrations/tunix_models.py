@@ -89,19 +89,59 @@ def halved(model):
     return model
 
 
-def loss_and_grads(loss_fn, model, example, algo_config, jit: bool = True):
-    """``(loss, aux, grads)`` of a tunix policy loss w.r.t. every parameter of ``model``."""
+def loss_and_grads(loss_fn, model, example, algo_config, jit: bool = True, **kwargs):
+    """``(loss, aux, grads)`` of a tunix policy loss w.r.t. every parameter of ``model``, as the
+    installed tunix's trainer differentiates it: 0.1.7's ``(loss, aux)``, or the head's
+    ``LossOutput`` (``loss`` its primary sum, ``aux`` the whole ``LossOutput``)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def f(p):
         m = nnx.merge(graphdef, p, rest)
-        return loss_fn(m, example, algo_config, PAD, EOS)
+        out = loss_fn(m, example, algo_config, PAD, EOS, **kwargs)
+        if isinstance(out, tuple):
+            return out
+        return out.primary_loss.unreduced_sum, out
 
     step = jax.value_and_grad(f, has_aux=True)
     if jit:
         step = jax.jit(step)
     (loss, aux), grads = step(params)
     return loss, aux, grads
+
+
+TOL = 1e-5
+
+
+def _close(got, want, err_msg):
+    np.testing.assert_allclose(float(got), float(want), rtol=TOL, atol=1e-6, err_msg=err_msg)
+
+
+def _weighted(got, want, name):
+    """A tunix ``WeightedMetric`` against another: sum, denominator and their bounds."""
+    assert type(got) is type(want), f"{name}: {type(got).__name__} for {type(want).__name__}"
+    _close(got.unreduced_sum, want.unreduced_sum, f"{name}: sum")
+    _close(got.denominator, want.denominator, f"{name}: denominator")
+    assert (got.eps, got.min_denom) == (want.eps, want.min_denom), name
+
+
+def assert_parity(name, got, want):
+    """``(loss, aux, grads)`` of :func:`loss_and_grads` equal to tunix's within ``TOL``: the
+    loss (the head: the primary sum and its denominator), the gradient of every parameter
+    (float32 relative), and every aux entry tunix logs (the head's ``WeightedMetric`` entries
+    by sum and denominator)."""
+    (loss, aux, grads), (want_loss, want_aux, want_g) = got, want
+    assert np.isfinite(float(loss)), name
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=TOL, atol=TOL * 1e-2,
+                               err_msg=name)
+    assert max_rel_err(grads, want_g) <= TOL, name
+    if not isinstance(want_aux, dict):  # the head's LossOutput
+        _weighted(aux.primary_loss, want_aux.primary_loss, f"{name}: primary_loss")
+        aux, want_aux = aux.aux_metrics, want_aux.aux_metrics
+    for key, value in want_aux.items():
+        if hasattr(value, "unreduced_sum"):
+            _weighted(aux[key], value, f"{name}: {key}")
+        else:
+            _close(aux[key], value, f"{name}: {key}")
 
 
 def max_rel_err(a, b) -> float:
@@ -114,3 +154,95 @@ def max_rel_err(a, b) -> float:
         worst = max(worst, float(np.max(np.abs(x - y)) / scale) if scale > 0 else
                     float(np.max(np.abs(x))))
     return worst
+
+
+def packed_example(model, seed: int = 0, rows: int = 2, length: int = 24, vocab: int = VOCAB,
+                   ref: bool = True, sampler: bool = False, noise: float = 0.3,
+                   segments_per_row=(3, 2)):
+    """A packed ``TrainExample`` as tunix's ``pack_sequences`` makes one: ``prompt_ids`` empty,
+    each row whole sequences (a prompt, ``completion_mask`` 0, then a completion, 1 up to its
+    end), then padding (segment 0, mask 0); positions restart at each sequence; per-token
+    advantages (the sequence's on its completion, 0 elsewhere); old and reference log-probs
+    tunix's own packed pass's plus noise; ``num_segments`` where the installed tunix has it.
+    The second row's last sequence is wholly masked."""
+    import dataclasses
+
+    from tunix.rl import common
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(2, vocab, (rows, length))
+    mask = np.zeros((rows, length), np.int32)
+    adv = np.zeros((rows, length), np.float32)
+    seg = np.zeros((rows, length), np.int32)
+    pos = np.zeros((rows, length), np.int32)
+    for r in range(rows):
+        start = 0
+        for k in range(1, segments_per_row[r] + 1):
+            n = int(rng.integers(5, 9))
+            prompt = int(rng.integers(2, 4))
+            seg[r, start:start + n] = k
+            pos[r, start:start + n] = np.arange(n)
+            if not (r == rows - 1 and k == segments_per_row[r]):
+                mask[r, start + prompt:start + n] = 1
+            adv[r, start + prompt:start + n] = rng.normal()
+            start += n
+        ids[r, start:] = PAD
+    ids, seg, pos = (jnp.asarray(x) for x in (ids, seg, pos))
+    prompt_ids = jnp.zeros((rows, 0), jnp.int32)
+    graphdef, state = nnx.split(model)
+    logps = common.compute_per_token_logps(graphdef, state, prompt_ids, ids, PAD, EOS,
+                                           segment_ids=seg, segment_positions=pos)
+    logps = logps * jnp.asarray(mask > 0)  # tunix's packer zero-fills the prompts' log-probs
+    noisy = [logps + jnp.asarray(rng.normal(size=logps.shape) * noise, jnp.float32) * (mask > 0)
+             for _ in range(2)]
+    weights = jnp.asarray(rng.uniform(0.2, 2.0, logps.shape), jnp.float32) if sampler else None
+    extra = {}
+    if "num_segments" in {f.name for f in dataclasses.fields(common.TrainExample)}:
+        extra["num_segments"] = max(segments_per_row) + 2
+    return common.TrainExample(
+        prompt_ids=prompt_ids, prompt_mask=prompt_ids, completion_ids=ids,
+        completion_mask=jnp.asarray(mask), advantages=jnp.asarray(adv),
+        ref_per_token_logps=noisy[1] if ref else None, old_per_token_logps=noisy[0],
+        segment_ids=seg, segment_positions=pos, sampler_is_weights=weights, **extra)
+
+
+class AdapterModel(nnx.Module):
+    """A stand-in with MaxText's ``TunixMaxTextAdapter`` interface (MaxText's head, PR 5301):
+    ``__call__(input_tokens, positions, cache, attention_mask, decoder_segment_ids=None,
+    output_hidden_states=False, segment_ids=None, skip_lm_head=False)`` returning ``(logits,
+    None)``, or with ``skip_lm_head`` the hidden states before the final norm, which
+    ``compute_final_logits`` applies with the head (and a soft cap): weights we do not read.
+    One causal attention-free mixing layer (a running mean over the segment's earlier
+    positions) and an MLP, so every position depends on the ones before it."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 16, seed: int = 0):
+        rngs = nnx.Rngs(seed)
+        self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+        self.mix = nnx.Linear(dim, dim, rngs=rngs)
+        self.up = nnx.Linear(dim, 2 * dim, rngs=rngs)
+        self.down = nnx.Linear(2 * dim, dim, rngs=rngs)
+        self.norm = nnx.RMSNorm(dim, rngs=rngs)
+        self.head = nnx.Linear(dim, vocab, use_bias=False, rngs=rngs)
+
+    def __call__(self, input_tokens, positions, cache, attention_mask,
+                 decoder_segment_ids=None, output_hidden_states=False, segment_ids=None,
+                 skip_lm_head=False):
+        seg = segment_ids if segment_ids is not None else decoder_segment_ids
+        x = self.embed(input_tokens)
+        t = x.shape[1]
+        allowed = jnp.tril(jnp.ones((t, t), bool))[None]
+        if seg is not None:
+            allowed = allowed & (seg[:, :, None] == seg[:, None, :])
+        elif attention_mask is not None:
+            allowed = allowed & attention_mask.astype(bool)
+        w = allowed.astype(x.dtype)
+        mean = (w @ x) / jnp.maximum(w.sum(-1, keepdims=True), 1.0)
+        x = x + jnp.tanh(self.mix(mean))
+        x = x + self.down(jax.nn.gelu(self.up(x)))
+        if skip_lm_head:
+            return x, None
+        return self.compute_final_logits(x), None
+
+    def compute_final_logits(self, hidden):
+        logits = self.head(self.norm(hidden)).astype(jnp.float32)
+        return 30.0 * jnp.tanh(logits / 30.0)

@@ -770,3 +770,43 @@ def test_trl_corners_equal_the_oracle_on_a_mesh(op, impl, index):
     np.testing.assert_allclose(float(got[0][0]), _oracle_of(
         logits, inp.ids, mask, inp.advantages, cfg, inp.old_logps, inp.ref_logps),
         rtol=2e-5, atol=1e-6)
+
+
+# --- packed rows (segments) ------------------------------------------------------------------
+
+@pytest.mark.parametrize("op,impl", [("logits", "xla"), ("logits", "pallas"), ("lm_head", "xla"),
+                                     ("lm_head", "pallas"), ("lm_head-seq", "xla")])
+def test_packed_rows_equal_one_device(op, impl):
+    """Packed rows (segment ids, per-token advantages), gspo-token and the per-segment
+    aggregation, on the 2 x 4 mesh: rows whole on each device, each segment's sums local, the
+    active-segment count summed over the batch axes. ``lm_head-seq``: the xla head
+    sequence-parallel (T split over the vocab axis)."""
+    from grpo_kernels import Segments
+    from tests.objective.test_segments import packed_batch
+
+    ids, mask, adv, seg, _ = packed_batch(3, rows=B, length=SEQ_T * 2, vocab=HV,
+                                          segments_per_row=(3, 2, 1, 2, 3, 1, 2, 2))
+    cfg = GRPOLossConfig(loss_agg_mode="sequence-mean-token-mean", beta=0.04,
+                         importance_sampling_level="sequence_token", sequence_log_ratio_max=0.05)
+    k = jax.random.split(jax.random.key(4), 4)
+    old = jax.random.normal(k[1], ids.shape) * 0.3 - 5.0
+    kw = dict(config=cfg, old_logps=old, ref_logps=old + 0.1, segments=Segments(seg, 5))
+    mesh, spec = make(MESHES[1])
+    if op == "logits":
+        z = jax.random.normal(k[0], (*ids.shape, HV)) * 2.0
+        want = jax.value_and_grad(lambda z: grpo_loss(z, ids, mask, adv, impl="reference",
+                                                      **kw), has_aux=True)(z)
+        got = jax.jit(jax.value_and_grad(lambda z: sharded_grpo_loss(
+            z, ids, mask, adv, mesh=mesh, sharding=spec, impl=impl, **kw), has_aux=True))(z)
+    else:
+        h = jax.random.normal(k[2], (*ids.shape, HH))
+        w = jax.random.normal(k[3], (HH, HV)) * 0.3
+        opts = LmHeadBlockSizes(chunk_tokens=12) if op == "lm_head-seq" else None
+        want = jax.value_and_grad(lambda h, w: grpo_loss_from_hidden(
+            h, w, ids, mask, adv, impl="reference", **kw), argnums=(0, 1), has_aux=True)(h, w)
+        got = jax.jit(jax.value_and_grad(lambda h, w: sharded_grpo_loss_from_hidden(
+            h, w, ids, mask, adv, mesh=mesh, sharding=spec, impl=impl, options=opts, **kw),
+            argnums=(0, 1), has_aux=True))(h, w)
+        if op == "lm_head-seq":
+            assert _time_axis(got[1][0]) == "tp"
+    _check(got, want)

@@ -17,6 +17,7 @@ from tunix.rl import algo_core, common  # noqa: E402
 from tunix.rl.grpo.grpo_learner import GRPOConfig  # noqa: E402
 
 from grpo_kernels.integrations import tunix as ours  # noqa: E402
+from grpo_kernels.integrations.tunix.models import Head  # noqa: E402
 from grpo_kernels.sharding import ShardingSpec  # noqa: E402
 from tests.integrations.tunix_models import (  # noqa: E402
     EOS, PAD, max_rel_err, tiny_model, train_example)
@@ -72,7 +73,8 @@ def _step(loss_fn, graphdef, state, example, algo, mesh=None):
     under the mesh as RLCluster enters it."""
     def f(params, rest, ex):
         model = nnx.merge(graphdef, params, rest)
-        return loss_fn(model, ex, algo, PAD, EOS)
+        out = loss_fn(model, ex, algo, PAD, EOS)
+        return ours.differentiated(out), out
 
     params = nnx.state(nnx.merge(graphdef, state), nnx.Param)
     rest = nnx.state(nnx.merge(graphdef, state), nnx.Not(nnx.Param))
@@ -104,12 +106,12 @@ def test_losses_and_log_probs_on_tunix_mesh_equal_one_device(mesh_name, tunix_sh
     temps = {}
     for name, fn in (("grpo", algo_core.grpo_loss_fn), ("grpo_kernels", ours.logits_policy_loss),
                      ("grpo_kernels_fused", ours.fused_policy_loss)):
-        ((loss, aux), grads), temps[name] = _step(fn, g, placed, example, algo, mesh)
+        ((loss, out), grads), temps[name] = _step(fn, g, placed, example, algo, mesh)
         np.testing.assert_allclose(float(loss), float(want[0][0]), rtol=TOL, atol=1e-7)
+        aux, want_aux = (_aux(o) for o in (out, want[0][1]))
         for key in ("kl", "pg_clipfrac"):
-            if key in want[0][1]:
-                np.testing.assert_allclose(float(aux[key]), float(want[0][1][key]), rtol=TOL,
-                                           atol=1e-7, err_msg=key)
+            np.testing.assert_allclose(_value(aux[key]), _value(want_aux[key]), rtol=TOL,
+                                       atol=1e-7, err_msg=key)
         assert max_rel_err(grads, want[1]) <= TOL, name
     # the fused loss through our shard_map plans less per device than tunix's own loss
     assert temps["grpo_kernels_fused"] < temps["grpo"], temps
@@ -123,10 +125,20 @@ def test_losses_and_log_probs_on_tunix_mesh_equal_one_device(mesh_name, tunix_sh
     np.testing.assert_allclose(np.asarray(got), np.asarray(want_logps), rtol=TOL, atol=1e-6)
 
 
-def _head(tied: bool, hidden: int = 32) -> ours.Head:
+def _aux(out):
+    """A policy loss's aux dict: 0.1.7's, or the head's ``LossOutput.aux_metrics``."""
+    return out[1] if isinstance(out, tuple) else out.aux_metrics
+
+
+def _value(x):
+    """An aux entry's value: a scalar, or a ``WeightedMetric`` divided."""
+    return float(x.compute() if hasattr(x, "compute") else x)
+
+
+def _head(tied: bool, hidden: int = 32) -> Head:
     """A head as :func:`placement` reads it (its layout and shape)."""
     shape, layout = ((VOCAB, hidden), "vh") if tied else ((hidden, VOCAB), "hv")
-    return ours.Head(jnp.zeros(shape), layout, jnp.dtype(jnp.float32), None)
+    return Head(jnp.zeros(shape), layout, jnp.dtype(jnp.float32), None)
 
 
 def test_placement_leaves_out_what_does_not_divide(tunix_sharding):

@@ -13,11 +13,9 @@ import jax.numpy as jnp
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import factors as lw
 from grpo_kernels.objective.metrics import loss_metrics
+from grpo_kernels.objective.segments import Segments
+from grpo_kernels.objective.base import BatchGather, BatchSum, _f32, _local
 from grpo_kernels.objective.terms import (
-    BatchGather,
-    BatchSum,
-    _f32,
-    _local,
     grpo_objective,
     log_importance_ratio,
     policy_factors,
@@ -80,9 +78,11 @@ def loss_from_token_stats(
     batch_sum: BatchSum = _local,
     sampler_logps: Array | None = None,
     batch_gather: BatchGather = _local,
+    segments: Segments | None = None,
 ) -> tuple[Array, dict[str, Array], RowGrad | None]:
     r"""``(loss, metrics, grad)`` from the ``[B, T]`` log-probs and entropies of an
-    implementation.
+    implementation (``segments``: packed rows, as in
+    :func:`~grpo_kernels.objective.grpo_objective`).
 
     ``grad`` (``None`` without ``with_grad``) holds :math:`g = \partial L / \partial \log\pi`
     and, when ``entropy_coef != 0``, :math:`h = \partial L / \partial H` with ``entropy``:
@@ -93,7 +93,7 @@ def loss_from_token_stats(
     def objective(lp, ent):
         return grpo_objective(lp, mask, advantages, config, old_logp, ref_logp,
                               num_items_in_batch, batch_sum, sampler_weights, ent,
-                              sampler_logps, batch_gather)
+                              sampler_logps, batch_gather, segments)
 
     grad = None
     ent = _f32(entropy)
@@ -103,14 +103,15 @@ def loss_from_token_stats(
         grad = RowGrad(d[0], d[1], ent) if with_entropy else RowGrad(d)
     else:
         loss, aux = objective(logp, ent)
-    return loss, loss_metrics(logp, entropy, aux, mask, advantages, config, batch_sum), grad
+    return loss, loss_metrics(logp, entropy, aux, mask, advantages, config, batch_sum,
+                              segments), grad
 
 
 def token_separable(config: GRPOLossConfig) -> bool:
     """Whether ``dL/dlogp`` (and ``dL/dH``) of a token depends on that token's inputs alone.
 
     True at token-level importance sampling when no option looks at other tokens: the weights
-    of :func:`~grpo_kernels.objective.terms.token_weights` and of the entropy bonus depend
+    of :func:`~grpo_kernels.objective.weights.token_weights` and of the entropy bonus depend
     only on the mask (and ``num_items_in_batch``), so ``L = sum_bt w_bt l(logp_bt)`` separates.
     Not at the sequence levels (a token's ratio depends on its whole sequence), nor with
     VESPO's sequence weight, the off-policy sequence mask, a sequence-level sampler correction

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.objective.terms import BatchSum, _f32, _local
+from grpo_kernels.objective.segments import Segments
+from grpo_kernels.objective.base import BatchSum, _f32, _local, advantage_columns
 
 Array = jax.Array
 
@@ -25,6 +26,7 @@ def loss_metrics(
     advantages: Array,
     config: GRPOLossConfig,
     batch_sum: BatchSum = _local,
+    segments: Segments | None = None,
 ) -> dict[str, Array]:
     """Metrics reported beside the loss (TRL's definitions), all without gradient.
 
@@ -34,7 +36,8 @@ def loss_metrics(
       entropies of ``softmax(z / temperature)``.
     - ``clip_ratio_low``: share with ``coef_1 < 1 - eps_low`` and ``A < 0``;
       ``clip_ratio_high``: ``coef_1 > 1 + eps_high`` and ``A > 0``; ``clip_ratio_region``:
-      either. Token level: masked token mean; sequence levels: mean over sequences.
+      either. Token level: masked token mean; sequence levels: mean over sequences (with
+      packed rows, ``segments``: over the active segments).
     - ``kl``: masked token mean of the per-token KL (0 when no ``ref_logps`` were given).
     - ``entropy``: masked token mean of ``token_entropy``.
     - ``policy_loss`` and ``kl_loss``: the two parts of the loss
@@ -42,11 +45,19 @@ def loss_metrics(
     """
     sg = jax.lax.stop_gradient
     coef_1 = sg(aux["coef_1"])
-    adv = _f32(advantages)[:, None]
+    adv = advantage_columns(advantages)
     low = ((coef_1 < 1.0 - config.epsilon_low) & (adv < 0)).astype(jnp.float32)
     high = ((coef_1 > 1.0 + config.epsilon_high) & (adv > 0)).astype(jnp.float32)
     region = jnp.maximum(low, high)
-    if config.importance_sampling_level != "token":
+    if config.importance_sampling_level != "token" and segments is not None:
+        active = segments.active(mask)
+        counts = jnp.maximum(segments.counts(mask), 1.0)
+
+        def clip_mean(x):  # a sequence-level value is one per segment: its tokens' mean
+            per_segment = segments.sum(x * _f32(mask)) / counts
+            return batch_sum(jnp.sum(per_segment * active)) / jnp.maximum(
+                batch_sum(jnp.sum(active)), 1.0)
+    elif config.importance_sampling_level != "token":
         def clip_mean(x):
             return batch_sum(jnp.sum(x[:, 0])) / jnp.maximum(batch_sum(_f32(x.shape[0])), 1.0)
     else:

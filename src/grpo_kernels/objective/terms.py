@@ -13,10 +13,10 @@ Notation, for sequence ``b`` and position ``t`` with mask :math:`m_{bt} \in \{0,
 
 where the KL estimate compares with the reference policy's log-prob :math:`\rho` (k3 by
 default: :math:`e^{\rho - \log\pi} - (\rho - \log\pi) - 1`). The loss is
-:math:`L = \sum_{bt} w_{bt} \ell_{bt}` with the weights of :func:`token_weights`. Options beyond
+:math:`L = \sum_{bt} w_{bt} \ell_{bt}` with the weights of :func:`~grpo_kernels.objective.weights.token_weights`. Options beyond
 TRL's (tunix's dual clip, log-ratio clamps, sampler weights, KL estimators and aggregations) are
 described where they act: :func:`log_importance_ratio`, :func:`kl_divergence`,
-:func:`token_terms`, :func:`token_weights`. TRL's newer options (the CISPO, SAPO, VESPO and LUSPO
+:func:`token_terms`, :func:`~grpo_kernels.objective.weights.token_weights`. TRL's newer options (the CISPO, SAPO, VESPO and LUSPO
 losses, the sampler correction, the off-policy sequence mask, the KL bias correction, the entropy
 bonus and high-entropy token selection) act in :func:`policy_term` and :func:`policy_factors`,
 with the factors of :mod:`grpo_kernels.objective.factors`; docs/loss.md writes each out.
@@ -24,118 +24,15 @@ with the factors of :mod:`grpo_kernels.objective.factors`; docs/loss.md writes e
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import factors as lw
-
-Array = jax.Array
-
-BatchSum = Callable[[Array], Array]
-"""Maps a sum over this device's part of the batch to the sum over the whole batch.
-
-The identity on one device; ``psum`` over the batch axes inside ``shard_map``
-(:mod:`grpo_kernels.sharding`). Every normaliser and every mean below goes through it, so a
-sharded loss equals the one-device loss.
-"""
-
-
-BatchGather = Callable[[Array], Array]
-"""Maps this device's rows (axis 0) to the whole batch's rows: the identity on one device,
-``all_gather`` over the batch axes inside ``shard_map``. Only the batch-wide entropy quantile
-(:func:`~grpo_kernels.objective.factors.entropy_mask`) needs it."""
-
-
-def _local(x: Array) -> Array:
-    return x
-
-
-_sg = jax.lax.stop_gradient
-
-
-def _f32(x: Any) -> Array:
-    return jnp.asarray(x, jnp.float32)
-
-
-def _row_counts(mask: Array) -> Array:
-    """``[B, 1]`` tokens per sequence, :math:`n_b`."""
-    return jnp.sum(mask, axis=-1, keepdims=True)
-
-
-def token_weights(
-    mask: Array,
-    config: GRPOLossConfig,
-    num_items_in_batch: Array | float | None = None,
-    batch_sum: BatchSum = _local,
-) -> Array:
-    r"""Per-token weights ``w`` such that the loss is ``sum(w * per_token_loss)``.
-
-    With :math:`n_b = \sum_t m_{bt}`, :math:`N = \sum_b n_b`, ``T`` the mask's length and
-    :math:`R = \max(|\{b : n_b > 0\}|, 1)` the non-empty sequences, by ``loss_type`` (TRL):
-
-    - ``grpo``:    :math:`w_{bt} = m_{bt} / (B \max(n_b, 1))`
-    - ``bnpo``:    :math:`w_{bt} = m_{bt} / \max(N, 1)`
-    - ``dr_grpo``: :math:`w_{bt} = m_{bt} / (B \cdot \text{max\_completion\_length})`
-    - ``dapo``:    :math:`w_{bt} = m_{bt} / \text{num\_items\_in\_batch}`
-      (default :math:`\max(N, 1)`)
-    - ``sapo`` as ``grpo``; ``cispo`` and ``vespo`` as ``dapo``
-    - ``luspo``:   :math:`w_{bt} = m_{bt} / B`: TRL 1.16's ``(per_token_loss * mask).sum(-1)
-      .mean()``, each sequence's sum over its tokens (for a loss constant along a sequence,
-      :math:`n_b \ell_b`: longer sequences weigh more). Liger-Kernel 0.8.5 aggregates
-      ``(per_token_loss * mask.sum(-1, keepdim=True)).mean()``, the same when the per-token
-      loss is one value per sequence and not otherwise (docs/loss.md)
-
-    or, when ``config.loss_agg_mode`` is set, by tunix's aggregation (replacing the above):
-
-    - ``token-mean``: :math:`m_{bt} / \max(N, 1)`
-    - ``sequence-mean-token-mean``: :math:`m_{bt} / (R \max(n_b, 1))`
-    - ``sequence-mean-token-scale``: :math:`m_{bt} / (R\,T)`
-    - ``seq-mean-token-sum`` and ``sequence-mean-token-sum-norm``: :math:`m_{bt} / R`
-
-    Args:
-      mask: ``[B, T]`` completion mask in {0, 1}.
-      config: Loss options; ``loss_type``, ``loss_agg_mode`` and ``max_completion_length``
-        are read.
-      num_items_in_batch: The ``dapo`` normaliser (of the whole batch); ignored otherwise.
-      batch_sum: Local sum -> whole-batch sum (see :data:`BatchSum`); ``B``, ``N`` and ``R``
-        above are whole-batch figures.
-
-    Returns:
-      ``[B, T]`` float32 weights (this device's rows); all zero when the mask is all zero.
-    """
-    mask = _f32(mask)
-    if config.loss_agg_mode is not None:
-        return _tunix_weights(mask, config.loss_agg_mode, batch_sum)
-    if config.loss_type in ("grpo", "sapo"):
-        return mask / (jnp.maximum(_row_counts(mask), 1.0) * batch_sum(_f32(mask.shape[0])))
-    if config.loss_type == "luspo":
-        return mask / batch_sum(_f32(mask.shape[0]))
-    if config.loss_type == "dr_grpo":
-        return mask / (batch_sum(_f32(mask.shape[0])) * float(config.max_completion_length))
-    if config.loss_type == "bnpo" or num_items_in_batch is None:
-        return _token_mean_weights(mask, batch_sum)
-    return mask / _f32(num_items_in_batch)
-
-
-def _token_mean_weights(mask: Array, batch_sum: BatchSum) -> Array:
-    r""":math:`m_{bt} / \max(N, 1)` (``bnpo``, tunix's ``token-mean``)."""
-    return mask / jnp.maximum(batch_sum(jnp.sum(mask)), 1.0)
-
-
-def _tunix_weights(mask: Array, mode: str, batch_sum: BatchSum) -> Array:
-    """The weights of tunix's ``loss_agg_mode`` (see :func:`token_weights`)."""
-    if mode == "token-mean":
-        return _token_mean_weights(mask, batch_sum)
-    counts = _row_counts(mask)
-    rows = jnp.maximum(batch_sum(jnp.sum((counts > 0).astype(jnp.float32))), 1.0)
-    if mode == "sequence-mean-token-mean":
-        return mask / (jnp.maximum(counts, 1.0) * rows)
-    if mode == "sequence-mean-token-scale":
-        return mask / (rows * float(mask.shape[-1]))
-    return mask / rows  # seq-mean-token-sum, sequence-mean-token-sum-norm
+from grpo_kernels.objective.base import (Array, BatchGather, BatchSum, _f32, _local,
+                                         _row_counts, _sg, advantage_columns)
+from grpo_kernels.objective.segments import Segments
+from grpo_kernels.objective.weights import token_weights
 
 
 def _clamped_diff(logp: Array, old_logp: Array, config: GRPOLossConfig) -> Array:
@@ -147,7 +44,7 @@ def _clamped_diff(logp: Array, old_logp: Array, config: GRPOLossConfig) -> Array
 
 
 def log_importance_ratio(logp: Array, old_logp: Array, mask: Array,
-                         config: GRPOLossConfig) -> Array:
+                         config: GRPOLossConfig, segments: Segments | None = None) -> Array:
     r"""Log importance ratio ``r``, ``[B, T]``.
 
     With :math:`d_{bt} = \log\pi - \log\pi_{old}`, clamped to
@@ -159,7 +56,9 @@ def log_importance_ratio(logp: Array, old_logp: Array, mask: Array,
       + \mathrm{sg}(\bar d_b)`: the same value, the gradient of a token ratio.
 
     At both sequence levels ``config.sequence_log_ratio_max`` caps ``r`` from above (zero
-    gradient past the cap).
+    gradient past the cap). With packed rows (``segments``) a sequence is a segment:
+    :math:`\bar d` is the mean over the token's segment
+    (:meth:`~grpo_kernels.objective.segments.Segments.sequence_mean`).
     """
     logp = _f32(logp)
     diff = _clamped_diff(logp, old_logp, config)
@@ -167,7 +66,10 @@ def log_importance_ratio(logp: Array, old_logp: Array, mask: Array,
     if level == "token":
         return diff
     mask = _f32(mask)
-    seq = jnp.sum(diff * mask, axis=-1, keepdims=True) / jnp.maximum(_row_counts(mask), 1.0)
+    if segments is None:
+        seq = jnp.sum(diff * mask, axis=-1, keepdims=True) / jnp.maximum(_row_counts(mask), 1.0)
+    else:
+        seq = segments.sequence_mean(diff, mask)
     if level == "sequence":
         r = jnp.broadcast_to(seq, diff.shape)
     else:
@@ -342,6 +244,7 @@ def grpo_objective(
     entropy: Array | None = None,
     sampler_logps: Array | None = None,
     batch_gather: BatchGather = _local,
+    segments: Segments | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     r"""The scalar GRPO loss as a function of the chosen-token log-probs and entropies.
 
@@ -353,7 +256,7 @@ def grpo_objective(
     Args:
       logp: ``[B, T]`` log-probs of the chosen tokens under the current policy.
       mask: ``[B, T]`` completion mask.
-      advantages: ``[B]`` advantages.
+      advantages: ``[B]`` advantages, or ``[B, T]`` (one per token: packed rows).
       config: Loss options.
       old_logps: ``[B, T]`` log-probs under the sampling policy; ``None`` means on-policy
         (``old = stop_gradient(logp)``, ratio exactly 1 with gradient ``A``).
@@ -364,6 +267,8 @@ def grpo_objective(
       entropy: ``[B, T]`` entropies; needed by ``entropy_coef`` and ``top_entropy_quantile``.
       sampler_logps: ``[B, T]`` sampler log-probs; needed by ``sampler_correction``.
       batch_gather: This device's rows -> the whole batch's (see :data:`BatchGather`).
+      segments: The layout of packed rows (the sequence-level quantities per segment), or
+        ``None``.
 
     Returns:
       ``(loss, aux)``: ``aux`` holds the ``[B, T]`` ``coef_1`` and ``kl`` for the metrics and
@@ -371,14 +276,14 @@ def grpo_objective(
       ``beta``; zero without ``ref_logps``).
     """
     logp = _f32(logp)
-    adv = _f32(advantages)[:, None]
+    adv = advantage_columns(advantages)
     old = _sg(logp) if old_logps is None else _f32(old_logps)
-    log_ratio = log_importance_ratio(logp, old, mask, config)
+    log_ratio = log_importance_ratio(logp, old, mask, config, segments)
     selected = (lw.entropy_mask(entropy, mask, config, batch_gather)
                 if config.top_entropy_quantile < 1.0 else None)
     scale, phi = policy_factors(logp, old, mask, adv, config, sampler_logps, selected)
     terms = token_terms(logp, log_ratio, adv, config, ref_logps, sampler_weights, scale, phi)
-    weights = token_weights(mask, config, num_items_in_batch, batch_sum)
+    weights = token_weights(mask, config, num_items_in_batch, batch_sum, segments)
     loss, policy_loss, kl_loss = weighted_loss(weights, terms, config, batch_sum)
     if config.has_entropy_bonus:
         u = lw.entropy_weights(mask, batch_sum, selected)

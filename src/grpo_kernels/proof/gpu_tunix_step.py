@@ -84,9 +84,9 @@ def run(args: argparse.Namespace) -> dict:
                   "logits_f32_bytes": n * vocab * 4}
     # The log-prob arms run before the update's set-up: that set-up calls tunix's own pass,
     # whose [B, P + C, V] logits would otherwise be the process's peak in both arms.
-    if args.arm.startswith("logps-"):
-        from grpo_kernels.integrations import tunix as ours
+    from grpo_kernels.integrations import tunix as ours
 
+    if args.arm.startswith("logps-"):
         fn = (common.compute_per_token_logps if args.arm == "logps-tunix"
               else ours.log_probs_function())
         full_graph, state = nnx.split(model)
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
     fn = policy_loss(args.arm)
 
     def loss(params, ex):
-        return fn(nnx.merge(graphdef, params, rest), ex, config, PAD, EOS)[0]
+        return ours.differentiated(fn(nnx.merge(graphdef, params, rest), ex, config, PAD, EOS))
 
     r = gpu_train_step.measure(jax.jit(jax.value_and_grad(loss)), (params, example),
                                args.iters, args.warmup)

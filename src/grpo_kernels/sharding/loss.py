@@ -31,6 +31,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from grpo_kernels.compat import to_layout, vary
 from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.objective.segments import Segments
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.online_softmax import soft_cap
 from grpo_kernels.ops.core.validate import (check_ids_in_range, check_softcap, resolve_impl,
@@ -220,12 +221,13 @@ def _run(op: OpKind, primals: Primals, primal_specs: tuple, batch: TokenBatch, *
     interpreted = impl == "pallas" and bool((options or default_options).resolved_interpret())
     rows2, scalar = spec.rows(2), PartitionSpec()
     batch_specs = TokenBatch(
-        ids=rows2, mask=rows2, advantages=spec.rows(1),
+        ids=rows2, mask=rows2, advantages=spec.rows(batch.advantages.ndim),
         old_logps=None if batch.old_logps is None else rows2,
         ref_logps=None if batch.ref_logps is None else rows2,
         num_items=None if batch.num_items is None else scalar,
         sampler_weights=None if batch.sampler_weights is None else rows2,
-        sampler_logps=None if batch.sampler_logps is None else rows2)
+        sampler_logps=None if batch.sampler_logps is None else rows2,
+        segments=None if batch.segments is None else Segments(rows2, batch.segments.count))
     metric_specs = {"logp": rows2, "token_entropy": rows2, **{k: scalar for k in (
         "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "kl", "entropy",
         "policy_loss", "kl_loss")}}
@@ -250,7 +252,8 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
                       old_logps: Array | None = None, ref_logps: Array | None = None,
                       num_items_in_batch: Array | float | None = None,
                       sampler_weights: Array | None = None,
-                      sampler_logps: Array | None = None, impl: str = "auto",
+                      sampler_logps: Array | None = None, segments: Segments | None = None,
+                      impl: str = "auto",
                       check_ids: bool = False, options: Any = None,
                       logit_softcap: float | None = None) -> tuple[Array, dict[str, Array]]:
     r""":func:`grpo_kernels.grpo_loss` with ``B`` split over ``sharding.batch_axes`` and ``V``
@@ -261,8 +264,9 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
     axes (``jax.make_mesh``'s default): they are moved to the layout below (by ``shard_map``
     itself, or by ``jax.reshard`` on Explicit axes); nothing of size ``[B, T, V]`` is gathered.
 
-    Layout inside: ``logits`` ``P(batch_axes, None, vocab_axis)``; ``[B, T]`` inputs and the
-    per-token metrics ``P(batch_axes, None)``; ``advantages`` ``P(batch_axes)``; the loss and the
+    Layout inside: ``logits`` ``P(batch_axes, None, vocab_axis)``; ``[B, T]`` inputs (packed
+    rows' segment ids too) and the per-token metrics ``P(batch_axes, None)``; ``advantages``
+    ``P(batch_axes)`` (``[B, T]`` ones as the other ``[B, T]`` inputs); the loss and the
     scalar metrics replicated. The gradient w.r.t. ``logits`` has the logits' layout.
 
     The other arguments are those of :func:`grpo_kernels.grpo_loss` (``options`` apply to each
@@ -295,7 +299,7 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
       True
     """
     validate_token_inputs(logits, ids, mask, advantages, config, old_logps, ref_logps,
-                          sampler_weights, sampler_logps)
+                          sampler_weights, sampler_logps, segments)
     b, _, vocab = logits.shape
     spec = resolve(sharding, mesh, b, vocab, "logits")
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
@@ -303,7 +307,7 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
     if check_ids:
         check_ids_in_range(ids, mask, vocab)
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
-                          sampler_weights, sampler_logps)
+                          sampler_weights, sampler_logps, segments)
     return _run(logits_kind(softcap), (logits,), (spec.logits(),), batch, mesh=mesh, spec=spec,
                 config=config, impl=impl, options=options, vocab=vocab,
                 default_options=logits_pallas.PallasOptions())
@@ -316,6 +320,7 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
                                   num_items_in_batch: Array | float | None = None,
                                   sampler_weights: Array | None = None,
                                   sampler_logps: Array | None = None,
+                                  segments: Segments | None = None,
                                   impl: str = "auto", lm_head_layout: str = "hv",
                                   bias: Array | None = None, logits_dtype: Any = None,
                                   check_ids: bool = False, options: Any = None,
@@ -375,14 +380,14 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
     impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
     fmt = head_api.validate_call(hidden, lm_head, ids, mask, advantages, config, old_logps,
                                  ref_logps, lm_head_layout, bias, logits_dtype,
-                                 sampler_weights, sampler_logps, logit_softcap)
+                                 sampler_weights, sampler_logps, logit_softcap, segments)
     vocab = fmt.vocab(lm_head)
     spec = head_spec(resolve(sharding, mesh, hidden.shape[0], vocab, "hidden/lm_head"), mesh,
                      impl, hidden.shape[-1])
     if check_ids:
         check_ids_in_range(ids, mask, vocab)
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
-                          sampler_weights, sampler_logps)
+                          sampler_weights, sampler_logps, segments)
     seq = sequence_split(spec, mesh, hidden.shape[1], impl, options)
     primal_specs = (spec.rows(3) if seq is None else spec.steps(),
                     spec.head(fmt.layout), None if bias is None else spec.vector())

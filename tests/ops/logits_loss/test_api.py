@@ -30,7 +30,7 @@ def good(**over):
         (dict(ids=jnp.zeros((B, T + 1), jnp.int32)), r"ids must have shape \[B, T\] = \(2, 5\), got \(2, 6\)"),
         (dict(ids=jnp.zeros((B, T), jnp.float32)), "ids must be an integer dtype"),
         (dict(mask=jnp.ones((B,))), r"mask must have shape \[B, T\] = \(2, 5\)"),
-        (dict(advantages=jnp.ones((B, T))), r"advantages must have shape \[B\] = \(2,\)"),
+        (dict(advantages=jnp.ones((B, T + 1))), r"advantages must have shape \[B\] \(or \[B, T\], one per token\) = \(2,\)"),
         (dict(old_logps=jnp.ones((B, T + 2))), r"old_logps must have shape \[B, T\]"),
         (dict(ref_logps=jnp.ones((T,))), r"ref_logps must have shape \[B, T\]"),
         (dict(config=GRPOLossConfig(beta=0.1)), r"ref_logps \[B, T\] = \(2, 5\) is required when config.beta > 0"),

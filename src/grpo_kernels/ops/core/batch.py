@@ -12,6 +12,8 @@ from grpo_kernels.objective import (
     BatchGather,
     BatchSum,
     RowGrad,
+    Segments,
+    advantage_columns,
     entropy_bonus_grad,
     loss_from_token_stats,
     token_weights,
@@ -31,13 +33,15 @@ class TokenBatch:
     Attributes:
       ids: ``[B, T]`` chosen token ids (already checked; clamped by each backend).
       mask: ``[B, T]`` completion mask.
-      advantages: ``[B]``.
+      advantages: ``[B]``, or ``[B, T]`` (per token, as packed rows carry them).
       old_logps: ``[B, T]`` sampling-policy log-probs, or ``None`` (on-policy).
       ref_logps: ``[B, T]`` reference log-probs, or ``None``.
       num_items: The ``dapo`` normaliser as a float32 scalar, or ``None``.
       sampler_weights: ``[B, T]`` weights of each token's policy term, or ``None``.
       sampler_logps: ``[B, T]`` log-probs of the sampler (for ``sampler_correction`` and the
         off-policy mask), or ``None``.
+      segments: The segment layout of packed rows
+        (:class:`~grpo_kernels.objective.segments.Segments`), or ``None``.
     """
 
     ids: Array
@@ -48,17 +52,18 @@ class TokenBatch:
     num_items: Array | None = None
     sampler_weights: Array | None = None
     sampler_logps: Array | None = None
+    segments: Segments | None = None
 
     @classmethod
     def of(cls, ids: Array, mask: Array, advantages: Array, old_logps: Array | None = None,
            ref_logps: Array | None = None, num_items_in_batch: Array | float | None = None,
-           sampler_weights: Array | None = None,
-           sampler_logps: Array | None = None) -> "TokenBatch":
+           sampler_weights: Array | None = None, sampler_logps: Array | None = None,
+           segments: Segments | None = None) -> "TokenBatch":
         """The batch of a public call's arguments (``num_items_in_batch`` made float32)."""
         num_items = (None if num_items_in_batch is None
                      else jnp.asarray(num_items_in_batch, jnp.float32))
         return cls(ids, mask, advantages, old_logps, ref_logps, num_items, sampler_weights,
-                   sampler_logps)
+                   sampler_logps, segments)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -82,7 +87,8 @@ class TokenBatch:
         return loss_from_token_stats(logp, entropy, self.mask, self.advantages, config,
                                      self.old_logps, self.ref_logps, self.num_items,
                                      with_grad=with_grad, sampler_weights=self.sampler_weights,
-                                     sampler_logps=self.sampler_logps, **extra)
+                                     sampler_logps=self.sampler_logps, segments=self.segments,
+                                     **extra)
 
     def token_columns(self, config: GRPOLossConfig, batch_sum: BatchSum | None = None,
                       ) -> dict[str, Array | None]:
@@ -100,9 +106,9 @@ class TokenBatch:
             return None if x is None else x.reshape(-1).astype(jnp.float32)
 
         return {
-            "weights": flat(token_weights(self.mask, config, self.num_items, **extra)),
-            "advantages": flat(jnp.broadcast_to(self.advantages.astype(jnp.float32)[:, None],
-                                                (b, t))),
+            "weights": flat(token_weights(self.mask, config, self.num_items,
+                                          segments=self.segments, **extra)),
+            "advantages": flat(jnp.broadcast_to(advantage_columns(self.advantages), (b, t))),
             "old_logp": flat(self.old_logps), "ref_logp": flat(self.ref_logps),
             "sampler_weights": flat(self.sampler_weights), "mask": flat(self.mask),
             "sampler_logps": flat(self.sampler_logps),

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.objective.segments import Segments
+from grpo_kernels.objective.weights import SCALE_NEEDS_NORM
 from grpo_kernels.ops.core.platform import PLATFORMS
 
 Array = jax.Array
@@ -59,10 +61,13 @@ def validate_token_inputs(
     ref_logps: Any,
     sampler_weights: Any = None,
     sampler_logps: Any = None,
+    segments: Any = None,
 ) -> None:
     """Checks ranks, shapes and dtypes at trace time; raises ValueError naming the argument.
 
     ``logits`` may be a ``jax.ShapeDtypeStruct`` (the fused op checks the logits it will form).
+    ``advantages`` may be ``[B]`` or ``[B, T]``; ``segments`` (packed rows) is checked by
+    :func:`check_segments`.
     """
     if not isinstance(config, GRPOLossConfig):
         raise ValueError(f"config must be a GRPOLossConfig, got {type(config).__name__}")
@@ -78,7 +83,8 @@ def validate_token_inputs(
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"ids must be an integer dtype, got {ids.dtype}")
     check_shape("mask", mask, (b, t), "[B, T]")
-    check_shape("advantages", advantages, (b,), "[B]")
+    if shape_of("advantages", advantages) != (b, t):
+        check_shape("advantages", advantages, (b,), "[B] (or [B, T], one per token)")
     per_token = (("old_logps", old_logps), ("ref_logps", ref_logps),
                  ("sampler_weights", sampler_weights), ("sampler_logps", sampler_logps))
     for name, x in per_token:
@@ -94,6 +100,51 @@ def validate_token_inputs(
         raise ValueError(f"sampler_logps [B, T] = {(b, t)} is required when "
                          f"config.sampler_correction is set "
                          f"(sampler_correction={config.sampler_correction!r})")
+    if segments is not None:
+        check_segments(segments, config, b, t)
+
+
+# TRL loss types whose weights do not look at sequences (token means, num_items_in_batch).
+TOKEN_LEVEL_LOSS_TYPES: tuple[str, ...] = ("bnpo", "dapo", "cispo")
+
+
+def check_segments(segments: Any, config: GRPOLossConfig, b: int, t: int) -> None:
+    """Checks packed rows' layout and that ``config`` defines every sequence-level quantity
+    per segment; ValueError naming the argument or the option that does not.
+
+    Per segment: tunix's aggregations (``loss_agg_mode``; ``sequence-mean-token-scale``
+    with ``loss_agg_norm``), the token-level TRL normalisations (``bnpo``, ``dapo``,
+    ``cispo``), the three importance-sampling levels. Not (they would pool a row's sequences
+    together): the per-sequence TRL normalisations (``grpo``, ``sapo``, ``luspo``,
+    ``dr_grpo``) without a ``loss_agg_mode``, VESPO's sequence weight, the off-policy
+    sequence mask and the sequence-level sampler corrections.
+    """
+    if not isinstance(segments, Segments):
+        raise ValueError(f"segments must be a grpo_kernels.Segments(ids, count), got "
+                         f"{type(segments).__name__}")
+    check_shape("segments.ids", segments.ids, (b, t), "[B, T]")
+    if not jnp.issubdtype(segments.ids.dtype, jnp.integer):
+        raise ValueError(f"segments.ids must be an integer dtype, got {segments.ids.dtype}")
+    count = segments.count
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+        raise ValueError(f"segments.count must be an int >= 1 (a static bound on the ids, "
+                         f"padding segment 0 included), got {count!r}")
+    unsupported = []
+    if config.loss_agg_mode is None and config.loss_type not in TOKEN_LEVEL_LOSS_TYPES:
+        unsupported.append(f"loss_type={config.loss_type!r} without loss_agg_mode (its "
+                           f"weights are per row; packed rows take loss_agg_mode or one of "
+                           f"{TOKEN_LEVEL_LOSS_TYPES})")
+    if config.loss_type == "vespo":
+        unsupported.append("loss_type='vespo' (a per-row sequence weight)")
+    if config.off_policy_mask_threshold is not None:
+        unsupported.append("off_policy_mask_threshold (a per-row sequence mask)")
+    if (config.sampler_correction or "").startswith("sequence"):
+        unsupported.append(f"sampler_correction={config.sampler_correction!r} (per row)")
+    if config.loss_agg_mode == "sequence-mean-token-scale" and config.loss_agg_norm is None:
+        unsupported.append(SCALE_NEEDS_NORM)
+    if unsupported:
+        raise ValueError("segments (packed rows) are not supported with " +
+                         "; ".join(unsupported))
 
 
 def check_softcap(value: Any) -> float | None:

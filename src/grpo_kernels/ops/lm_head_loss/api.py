@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.objective.segments import Segments
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import common_dtype
 from grpo_kernels.ops.core.validate import (
@@ -92,14 +93,15 @@ def validate_head(hidden: Any, lm_head: Any, layout: Any, bias: Any,
 def validate_call(hidden: Any, lm_head: Any, ids: Any, mask: Any, advantages: Any, config: Any,
                   old_logps: Any, ref_logps: Any, layout: Any, bias: Any,
                   logits_dtype: Any, sampler_weights: Any = None,
-                  sampler_logps: Any = None, logit_softcap: Any = None) -> HeadFormat:
+                  sampler_logps: Any = None, logit_softcap: Any = None,
+                  segments: Any = None) -> HeadFormat:
     """Every check of a fused call (the head's, then the logits-level ones on the logits it
     would form); returns the head's format."""
     fmt = validate_head(hidden, lm_head, layout, bias, logits_dtype, logit_softcap)
     b, t, _ = hidden.shape
     validate_token_inputs(jax.ShapeDtypeStruct((b, t, fmt.vocab(lm_head)), fmt.logits_dtype),
                           ids, mask, advantages, config, old_logps, ref_logps, sampler_weights,
-                          sampler_logps)
+                          sampler_logps, segments)
     return fmt
 
 
@@ -126,6 +128,7 @@ def grpo_loss_from_hidden(
     num_items_in_batch: Array | float | None = None,
     sampler_weights: Array | None = None,
     sampler_logps: Array | None = None,
+    segments: Segments | None = None,
     impl: str = "auto",
     lm_head_layout: str = "hv",
     bias: Array | None = None,
@@ -142,8 +145,8 @@ def grpo_loss_from_hidden(
     temperature. The fused implementations form ``z`` a chunk of tokens at a time.
 
     ``ids``, ``mask``, ``advantages``, ``config``, ``old_logps``, ``ref_logps``,
-    ``num_items_in_batch``, ``sampler_weights``, ``sampler_logps`` and ``check_ids`` are as in
-    :func:`grpo_kernels.grpo_loss`.
+    ``num_items_in_batch``, ``sampler_weights``, ``sampler_logps``, ``segments`` and
+    ``check_ids`` are as in :func:`grpo_kernels.grpo_loss`.
 
     Args:
       hidden: ``[B, T, H]`` hidden states before the head; position ``t`` predicts
@@ -193,9 +196,9 @@ def grpo_loss_from_hidden(
     impl = resolve_impl(impl, options, OPTION_TYPES, default_impl)
     fmt = validate_call(hidden, lm_head, ids, mask, advantages, config, old_logps, ref_logps,
                         lm_head_layout, bias, logits_dtype, sampler_weights, sampler_logps,
-                        logit_softcap)
+                        logit_softcap, segments)
     if check_ids:
         check_ids_in_range(ids, mask, fmt.vocab(lm_head))
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
-                          sampler_weights, sampler_logps)
+                          sampler_weights, sampler_logps, segments)
     return IMPLEMENTATIONS[impl](hidden, lm_head, bias, batch, config, fmt, options)

@@ -7,6 +7,7 @@ from typing import Callable
 import jax
 
 from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.objective.segments import Segments
 from grpo_kernels.ops.core.batch import TokenBatch
 from grpo_kernels.ops.core.validate import (
     backend_kind,
@@ -58,6 +59,7 @@ def grpo_loss(
     num_items_in_batch: Array | float | None = None,
     sampler_weights: Array | None = None,
     sampler_logps: Array | None = None,
+    segments: Segments | None = None,
     impl: str = "auto",
     check_ids: bool = False,
     options: XlaBlockSizes | PallasOptions | None = None,
@@ -89,7 +91,7 @@ def grpo_loss(
       ids: ``[B, T]`` integer token ids. Ids outside ``[0, V)`` are clamped into range unless
         ``check_ids`` is set; positions with ``mask == 0`` are never checked.
       mask: ``[B, T]`` completion mask in {0, 1} (any numeric or bool dtype).
-      advantages: ``[B]`` advantages.
+      advantages: ``[B]`` advantages, or ``[B, T]`` (one per token, as packed rows carry them).
       config: Loss options.
       old_logps: ``[B, T]`` sampling-policy log-probs; ``None``: on-policy.
       ref_logps: ``[B, T]`` reference log-probs; required when ``config.beta > 0``.
@@ -99,6 +101,11 @@ def grpo_loss(
         (tunix's ``sampler_is_weights``); no gradient flows into them.
       sampler_logps: Optional ``[B, T]`` log-probs of the sampler (e.g. vLLM's); required by
         ``config.sampler_correction``, and used by the off-policy mask when given.
+      segments: Packed rows: :class:`grpo_kernels.Segments` (``[B, T]`` segment ids, 0 for
+        padding, and their static bound), and every sequence-level quantity (the sequence
+        ratio, per-sequence means) is taken per segment
+        (:func:`grpo_kernels.objective.token_weights` says which options take them);
+        ``None``: one sequence per row.
       impl: ``"auto"``, ``"reference"``, ``"xla"`` or ``"pallas"`` (TPU/GPU kernels; interpret
         mode on CPU, for tests only).
       check_ids: Raise ValueError when an unmasked id is outside ``[0, V)`` (at call time for
@@ -136,11 +143,11 @@ def grpo_loss(
       (True, (2, 5))
     """
     validate_token_inputs(logits, ids, mask, advantages, config, old_logps, ref_logps,
-                          sampler_weights, sampler_logps)
+                          sampler_weights, sampler_logps, segments)
     impl = resolve_impl(impl, options, OPTION_TYPES, default_impl)
     softcap = check_softcap(logit_softcap)
     if check_ids:
         check_ids_in_range(ids, mask, logits.shape[-1])
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
-                          sampler_weights, sampler_logps)
+                          sampler_weights, sampler_logps, segments)
     return IMPLEMENTATIONS[impl](logits, batch, config, options, softcap=softcap)

@@ -1,7 +1,7 @@
-r"""tunix's model classes read below their logits: final hidden states and LM-head weights.
+r"""Models read below their logits: final hidden states and LM-head weights, or a head function.
 
 Both registered losses (:mod:`grpo_kernels.integrations.tunix`) read a tunix Qwen2, Qwen3,
-Llama3, Gemma3 or Gemma this way, when they can: the fused loss to hold no ``[B, T, V]``
+Llama3, Gemma3 or Gemma (tunix 0.1.7 and its development head) this way, when they can: the fused loss to hold no ``[B, T, V]``
 array at all, the logits-level loss to form the completion's logits itself,
 ``hidden[:, -T-1:-1] @ W`` in the model's compute dtype, where tunix's ``__call__`` forms every
 position's (Qwen2 and Qwen3 cast them to float32: :func:`completion_logits`). Both give the
@@ -17,15 +17,25 @@ Which way a model is read (:func:`head_blocker`):
   ``logit_softcap``;
 - any of those adapted by qwix (``qwix.apply_lora_to_model``, the way tunix adds LoRA): qwix
   swaps the class for one whose ``__call__`` intercepts the matmuls, so the adapters act only
-  inside that call, and the hidden states are the ones that call sows. Llama3's ``__call__``
-  sows none, and an adapter on the LM head itself cannot be seen from its weights: those
-  models are not read;
-- anything else (another class, or a subclass with its own ``__call__``) is not read.
+  inside that call, and the hidden states are the ones that call returns with
+  ``skip_lm_head=True`` (tunix's head) or sows. tunix 0.1.7's Llama3 ``__call__`` does neither,
+  and an adapter on the LM head itself cannot be seen from its weights: those models are not
+  read;
+- any other model that follows tunix's chunked-log-prob protocol (:func:`head_function`): its
+  ``__call__`` takes ``skip_lm_head=True`` and returns the final hidden states, and its
+  ``compute_final_logits`` maps hidden states to logits (the development head's tunix
+  classes; MaxText's ``TunixMaxTextAdapter`` since MaxText PR 5301, whose hidden states come
+  before the final norm, which ``compute_final_logits`` applies). Its head weights are not
+  read: the losses run ``compute_final_logits`` one chunk of tokens at a time
+  (:func:`grpo_kernels.ops.logps.head_fn.token_logps_from_head_fn`);
+- anything else (another class, or a subclass with its own ``__call__`` and no protocol) is
+  not read.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any, NamedTuple
 
 import jax
@@ -91,6 +101,42 @@ def qwix_adapted(model: Any) -> bool:
     return hasattr(type(model), "_unquantized_type")
 
 
+def call_accepts(model: Any, name: str) -> bool:
+    """Whether ``type(model).__call__`` takes a keyword ``name`` (or ``**kwargs``)."""
+    try:
+        params = inspect.signature(type(model).__call__).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return name in params or any(p.kind == inspect.Parameter.VAR_KEYWORD
+                                 for p in params.values())
+
+
+def skips_lm_head(model: Any) -> bool:
+    """Whether the model's call returns its final hidden states with ``skip_lm_head=True``
+    (tunix's development head; tunix 0.1.7's classes do not). A qwix-adapted class keeps the
+    wrapped class's parameters."""
+    base = type(model)._unquantized_type if qwix_adapted(model) else type(model)
+    try:
+        params = inspect.signature(base.__call__).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return "skip_lm_head" in params
+
+
+def head_function(model: Any) -> str | None:
+    """Why ``model`` does not follow tunix's chunked-log-prob protocol (None: it does): a
+    ``__call__`` that takes ``skip_lm_head`` and a callable ``compute_final_logits``. A
+    qwix-adapted model does not: its adapters act inside its ``__call__`` only, and
+    ``compute_final_logits`` runs outside it."""
+    if qwix_adapted(model):
+        return "qwix adapters act inside its __call__, not in compute_final_logits"
+    if not skips_lm_head(model):
+        return f"{type(model).__name__}.__call__ takes no skip_lm_head"
+    if not callable(getattr(model, "compute_final_logits", None)):
+        return f"{type(model).__name__} has no compute_final_logits"
+    return None
+
+
 def _tied(model: Any, family: str) -> bool:
     if family in BY_CALL:
         return True  # tunix's Gemma and Gemma3 decode with the input embedding
@@ -116,7 +162,7 @@ def head_blocker(model: Any) -> str | None:
     base = type(model)._unquantized_type if qwix_adapted(model) else type(model)
     if base.__call__ is not cls.__call__:
         return f"{base.__name__} has its own __call__"
-    if qwix_adapted(model) and family == "llama3":
+    if qwix_adapted(model) and family == "llama3" and not skips_lm_head(model):
         return "qwix adapters act inside Llama3.__call__, which returns no hidden states"
     adapters = head_adapters(model)
     if adapters:
@@ -125,8 +171,8 @@ def head_blocker(model: Any) -> str | None:
 
 
 def embed(model: Any, tokens: Array) -> tuple[Array, Array]:
-    """``model.embedder.encode(tokens)`` (tunix 0.1.7: the rows, cast to the embedder's dtype
-    except in Llama3, constrained to its ``act_btd`` sharding) by :func:`tied_lookup`, and the
+    """``model.embedder.encode(tokens)`` (tunix 0.1.7 and its head: the rows, cast to the
+    embedder's dtype except in Llama3, constrained to its ``act_btd`` sharding) by :func:`tied_lookup`, and the
     embedding table it passes through: a tied head that uses that table gets the lookup's
     gradient added into its own in place (no float32 copy of the table on XLA:CPU)."""
     embedder = model.embedder
@@ -138,18 +184,21 @@ def embed(model: Any, tokens: Array) -> tuple[Array, Array]:
 
 
 def _hidden_by_call(model: Any, inputs: dict[str, Any]) -> Array:
-    """The final hidden states a Qwen2/Qwen3/Gemma3/Gemma ``__call__`` sows
-    (``all_hidden_states``), popped so that no intermediate stays on the model."""
+    """The final hidden states of the model's own ``__call__``: returned with
+    ``skip_lm_head=True`` where it takes that, else sown (``all_hidden_states``, tunix 0.1.7's
+    Qwen2/Qwen3/Gemma3/Gemma) and popped so that no intermediate stays on the model."""
     from flax import nnx
 
+    if skips_lm_head(model):
+        return call_model(model, inputs, skip_lm_head=True)[0]
     call_model(model, inputs, output_hidden_states=True)
     return nnx.pop(model, nnx.Intermediate)["all_hidden_states"].value[-1]
 
 
 def hidden_states(model: Any, inputs: dict[str, Any]) -> tuple[Array, Array]:
     """``([B, L, D]`` after the final norm, the embedding table for :func:`lm_head`): the
-    model's ``__call__`` up to its head, with the same modules and arguments (tunix 0.1.7's
-    Qwen2, Qwen3 and Llama3; the lookup by :func:`embed`). Gemma3, Gemma and a qwix-adapted
+    model's ``__call__`` up to its head, with the same modules and arguments (tunix's Qwen2,
+    Qwen3 and Llama3, 0.1.7 and the head alike; the lookup by :func:`embed`). Gemma3, Gemma and a qwix-adapted
     model run their own ``__call__`` (module docstring)."""
     family = model_family(model)
     if qwix_adapted(model) or family in BY_CALL:
@@ -215,3 +264,25 @@ def completion_logits(model: Any, inputs: dict[str, Any], t: int) -> Array:
         return logits
     # the model caps its logits in their own dtype, as here
     return soft_cap(logits.astype(jnp.float32), head.softcap).astype(head.dtype)
+
+
+def function_hidden(model: Any, inputs: dict[str, Any], t: int) -> Array:
+    """``[B, t, D]``: the hidden states that predict the last ``t`` tokens, as a model of the
+    chunked-log-prob protocol (:func:`head_function` is None) returns them with
+    ``skip_lm_head=True``; its ``compute_final_logits`` maps them to logits."""
+    return call_model(model, inputs, skip_lm_head=True)[0][:, -t - 1:-1, :]
+
+
+def reading(model: Any) -> str:
+    """How the losses and the log-prob pass read ``model``: ``"head"`` (hidden states and
+    head weights, :func:`head_blocker` is None), ``"function"`` (hidden states and
+    ``compute_final_logits``, :func:`head_function` is None) or ``"call"`` (neither: the
+    model's own ``__call__``, its whole logits)."""
+    if head_blocker(model) is None:
+        return "head"
+    return "function" if head_function(model) is None else "call"
+
+
+def not_read(model: Any) -> str:
+    """Why ``model`` is read by its ``__call__`` alone, in words (both readings' reasons)."""
+    return f"{head_blocker(model)}; and {head_function(model)}"
