@@ -24,3 +24,10 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 @pytest.fixture(autouse=True)
 def _no_implicit_rank_promotion():
     yield
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tunix-grid", choices=("auto", "full", "pairwise"), default="auto",
+                     help="tests/integrations/test_tunix.py's parity grid: every combination "
+                     "(full), every pair (pairwise), or auto: full against tunix 0.1.7, "
+                     "pairwise against its development head")
