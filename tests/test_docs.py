@@ -83,7 +83,7 @@ def test_readme_snippets_that_need_a_users_script_compile(name):
 @pytest.mark.parametrize("module", [
     "grpo_kernels.ops.logits_loss.api", "grpo_kernels.ops.lm_head_loss.api",
     "grpo_kernels.ops.logps.api", "grpo_kernels.sharding.loss", "grpo_kernels.sharding.logps",
-    "grpo_kernels.integrations.tunix"])
+    "grpo_kernels.integrations.tunix.log_probs"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib
