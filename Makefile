@@ -48,9 +48,10 @@ docs: $(STAMP)
 # when the flag is set before JAX starts, so tests/sharding runs in its own processes.
 MULTIDEVICE := XLA_FLAGS="$$XLA_FLAGS --xla_force_host_platform_device_count=8"
 
+# --durations=25: the slowest tests of each run, so that the next slow one is seen.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --ignore=tests/sharding
-	$(MULTIDEVICE) $(BIN)/python -m pytest -q -n 2 tests/sharding
+	$(BIN)/python -m pytest -q -n 2 --durations=25 --ignore=tests/sharding
+	$(MULTIDEVICE) $(BIN)/python -m pytest -q -n 2 --durations=25 tests/sharding
 	$(MAKE) --no-print-directory test-tunix-head
 
 # The tunix integration's tests a second time, against tunix's development head (what MaxText
