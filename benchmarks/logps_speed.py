@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.proof.timing import median_ms
+from grpo_kernels.rl.run_dir import write_json
 
 
 def plain_logps(z, ids):
@@ -166,9 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         diff = r["max_abs_diff_to_plain"]
         print(f"| {r['op']} | {r['contender']} | {r['median_ms']:.2f} | {r['ratio']:.3f} | "
               + ("-" if diff is None else f"{diff:.1e}") + " |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    if args.json:  # whole or not at all: a crash leaves no half-written file
+        write_json(args.json, rows)
     return 0
 
 

@@ -29,10 +29,11 @@ ours with the patched passes and `grpo_kernels_fused`.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
+
+from grpo_kernels.rl.run_dir import write_json
 
 PROMPT = 128
 SHAPES = {2048: ("Qwen3-1.7B", True), 4096: ("Qwen3-8B", False)}
@@ -163,9 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {label} | {hidden} | {prompt:,} | {tokens:,} | {cells} | {ratios} | "
                       f"{row['logps ours'] / row['logps tunix']:.3f} | "
                       f"{row['iteration ours'] / row['iteration tunix']:.3f} |", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    if args.json:  # whole or not at all: a crash leaves no half-written file
+        write_json(args.json, rows)
     return 0
 
 

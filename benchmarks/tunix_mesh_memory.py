@@ -25,6 +25,8 @@ import json
 import sys
 import time
 
+from grpo_kernels.rl.run_dir import write_json
+
 SHAPES = {2048: ("Qwen3-1.7B", True), 4096: ("Qwen3-8B", False)}
 
 
@@ -142,9 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                   + f" | update fused / grpo {t['update grpo_kernels_fused'] / t['update grpo']:.3f}"
                   f" | logps ours / tunix {t['logps ours'] / t['logps tunix']:.3f} |",
                   flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    if args.json:  # whole or not at all: a crash leaves no half-written file
+        write_json(args.json, rows)
     return 0
 
 

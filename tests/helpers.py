@@ -130,22 +130,41 @@ def reference_value_and_grad(inp, cfg, **kw):
     return cached_reference(key, inp, lambda: value_and_grad("reference", inp, cfg, **kw))
 
 
-def cuda_module(fn: Callable, *args) -> str:
-    """The MLIR text of ``jax.export(jax.jit(fn), platforms=["cuda"])(*args)``, Triton custom
-    calls allowed (they carry no serialization-compatibility promise; lowering is what
-    counts). Skips where this jaxlib cannot lower Pallas GPU (Triton) kernels."""
+# The GPU a CUDA lowering is planned for when the host has none (jax >= 0.12's Triton lowering
+# asks which GPU it compiles for).
+ABSTRACT_GPU = dict(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
+
+
+def cuda_export(fn: Callable, *args) -> Any:
+    """``jax.export(fn, platforms=["cuda"])(*args)`` with Triton custom calls allowed (they
+    carry no serialization-compatibility promise; lowering is what counts). Where this jax
+    asks for a GPU to lower Pallas's Triton kernels for (0.12: "No supported GPU devices
+    found"), it is lowered again for an abstract H100 (:data:`ABSTRACT_GPU`). Skips where this
+    jaxlib cannot lower Triton kernels at all."""
     import pytest
+    from jax.sharding import AbstractDevice, AbstractMesh
 
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    export = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)
     try:
-        exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
-                                     disabled_checks=checks)(*args)
+        try:
+            return export(*args)
+        except Exception as e:  # noqa: BLE001 - only the "which GPU" error is retried
+            if "AbstractDevice" not in str(e) and "No supported GPU" not in str(e):
+                raise
+        mesh = AbstractMesh((1,), ("gpu",), abstract_device=AbstractDevice(**ABSTRACT_GPU))
+        with jax.sharding.use_abstract_mesh(mesh):
+            return export(*args)
     except ValueError as e:
         if "install jaxlib GPU" in str(e):
             pytest.skip("this jaxlib cannot lower Pallas GPU (Triton) kernels without the CUDA "
                         "plugin; the interpret-mode tests cover the kernels' numerics")
         raise
-    return exported.mlir_module()
+
+
+def cuda_module(fn: Callable, *args) -> str:
+    """The MLIR text of :func:`cuda_export` of ``jax.jit(fn)``."""
+    return cuda_export(jax.jit(fn), *args).mlir_module()
 
 
 def value_and_grad(impl, inp, cfg, jit=True, **kw):
@@ -197,3 +216,15 @@ def pairwise(*factors) -> list[tuple]:
         chosen.append(best)
         uncovered -= pairs(best)
     return chosen
+
+
+def objective(logp, mask, advantages, config, old_logps=None, ref_logps=None, entropy=None,
+              **inputs):
+    """:func:`grpo_kernels.objective.grpo_objective` of these inputs (``inputs``: the other
+    fields of :meth:`~grpo_kernels.objective.TokenBatch.of`), in a batch whose ids are zeros:
+    the objective does not read them."""
+    from grpo_kernels.objective import TokenBatch, grpo_objective
+
+    batch = TokenBatch.of(jnp.zeros(mask.shape, jnp.int32), mask, advantages, old_logps,
+                          ref_logps, **inputs)
+    return grpo_objective(logp, batch, config, entropy)

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from grpo_kernels.cli import proof, proof_report
+from grpo_kernels.cli import proof, proof_plans, proof_report
 from grpo_kernels.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 FIXTURES = Path(__file__).parent / "fixtures"  # recorded H100 runs the report is built from
-ALL = set(proof.GROUPS)
+ALL = set(proof_plans.GROUPS)
 
 
 def _names(plan):
@@ -35,13 +35,13 @@ def test_plans_pick_their_groups():
     not fit in 8 minutes); the dry run runs every group."""
     def names(plan):
         return [n for n, _, _ in proof.phases(set(plan.groups), plan)]
-    assert not any(n.startswith("gpu_") for n in names(proof.REAL) + names(proof.SHORT))
-    assert [n for n in names(proof.LAYOUTS) if n.startswith("gpu_")] == [
+    assert not any(n.startswith("gpu_") for n in names(proof_plans.REAL) + names(proof_plans.SHORT))
+    assert [n for n in names(proof_plans.LAYOUTS) if n.startswith("gpu_")] == [
         "gpu_layouts", "gpu_one_pass", "gpu_tilings"]
-    assert set(names(proof.LAYOUTS)) == {"nvidia-smi", "versions", "copy_bandwidth",
+    assert set(names(proof_plans.LAYOUTS)) == {"nvidia-smi", "versions", "copy_bandwidth",
                                          "gpu_layouts", "gpu_one_pass", "gpu_tilings"}
-    assert set(proof.DRY.groups) == set(proof.GROUPS)
-    argv = dict((n, a) for n, a, _ in proof.phases({"layouts"}, proof.LAYOUTS))["gpu_one_pass"]
+    assert set(proof_plans.DRY.groups) == set(proof_plans.GROUPS)
+    argv = dict((n, a) for n, a, _ in proof.phases({"layouts"}, proof_plans.LAYOUTS))["gpu_one_pass"]
     assert argv[argv.index("--one-pass-tilings") + 1] == (
         "16384x16x132x1,16384x16x132x3,8192x16x132x2,8192x8x264x1,8192x8x132x2,"
         "16384x16x132x2x0")
@@ -52,9 +52,9 @@ def test_plans_pick_their_groups():
 
 def test_every_plan_runs_the_same_phases():
     strip = lambda names: [n.split("_B")[0] for n in names]  # noqa: E731
-    assert strip(_names(proof.REAL)) == strip(_names(proof.DRY))
-    assert set(_names(proof.SHORT)) < set(_names(proof.REAL))
-    assert len(set(_names(proof.REAL))) == len(_names(proof.REAL))
+    assert strip(_names(proof_plans.REAL)) == strip(_names(proof_plans.DRY))
+    assert set(_names(proof_plans.SHORT)) < set(_names(proof_plans.REAL))
+    assert len(set(_names(proof_plans.REAL))) == len(_names(proof_plans.REAL))
 
 
 def _recorded(name: str) -> list[dict]:
@@ -96,7 +96,7 @@ def test_the_h100_proof_json_validates():
     assert report["plan"] == "real" and report["all_phases_ok"]
     # That run had one more bench, at the aligned vocabulary, where the layouts group (a plan
     # of its own since) now times the layouts.
-    now = [n for n, _, _ in proof.phases(set(proof.REAL.groups), proof.REAL)]
+    now = [n for n, _, _ in proof.phases(set(proof_plans.REAL.groups), proof_plans.REAL)]
     at = now.index("bench_B4_T1024") + 1
     then = now[:at] + ["bench_B1_T2048_V151936"] + now[at:]
     assert [r["phase"] for r in report["phases"]] == then
@@ -315,7 +315,7 @@ def test_dry_run_records_every_phase(tmp_path):
     assert report["plan"] == "dry" and report["all_phases_ok"]
     assert report["machine"]["backend"] == "cpu" and report["machine"]["jax"]
     records = {rec["phase"]: rec for rec in report["phases"]}
-    assert list(records) == _names(proof.DRY)
+    assert list(records) == _names(proof_plans.DRY)
     assert (tmp_path / "proof.log").read_text().count("=====") == len(records)
     for name, rec in records.items():
         if name.startswith(("gradcheck", "head_gradcheck")):
@@ -376,31 +376,31 @@ STEP_RUN = RESULTS / "gpu_proof_step_h100_2026-11-27.json"
 
 
 def test_the_step_plan_and_its_dry_twin():
-    names = [n for n, _, _ in proof.phases(set(proof.STEP.groups), proof.STEP)]
+    names = [n for n, _, _ in proof.phases(set(proof_plans.STEP.groups), proof_plans.STEP)]
     assert names[:3] == ["nvidia-smi", "versions", "copy_bandwidth"] and names[-1] == "ab"
     assert [n for n in names if n.startswith("train_")] == [
-        f"train_{arm}" for arm in proof.STEP.train_arms]
+        f"train_{arm}" for arm in proof_plans.STEP.train_arms]
     assert [n for n in names if n.startswith(("compile_", "memory_"))] == [
         f"{kind}_head_{v}" for v in ("tokens", "vocab", "tokens_2048")
         for kind in ("compile", "memory")]
     assert [n for n in names if n.startswith("tunix_")] == [
         "tunix_tunix", "tunix_fused-xla", "tunix_logps-tunix", "tunix_logps-ours"]
     assert not any(n.startswith(("bench", "gradcheck", "gpu_")) for n in names)
-    dry = [n for n, _, _ in proof.phases(set(proof.DRY_STEP.groups), proof.DRY_STEP)]
+    dry = [n for n, _, _ in proof.phases(set(proof_plans.DRY_STEP.groups), proof_plans.DRY_STEP)]
     assert [n.rsplit("_", 1)[0] if n.endswith("_8") else n for n in dry] == [
         n for n in names if n not in ("compile_head_tokens_2048", "memory_head_tokens_2048")]
-    assert proof.plan_of("step", False) is proof.STEP
-    assert proof.plan_of("step", True) is proof.DRY_STEP
-    assert proof.plan_of("real", True) is proof.DRY is proof.plan_of("dry", False)
+    assert proof.plan_of("step", False) is proof_plans.STEP
+    assert proof.plan_of("step", True) is proof_plans.DRY_STEP
+    assert proof.plan_of("real", True) is proof_plans.DRY is proof.plan_of("dry", False)
     # Every script phase's arguments parse as its script parses them; each compile phase
     # fills the cache its memory phase reads.
     from grpo_kernels.proof import gpu_train_step, gpu_tunix_step
-    argv = {n: a for n, a, _ in proof.phases(set(proof.STEP.groups), proof.STEP)}
+    argv = {n: a for n, a, _ in proof.phases(set(proof_plans.STEP.groups), proof_plans.STEP)}
     for name, a in argv.items():
         if name.startswith("train_"):
-            assert gpu_train_step.parse_args(a[3:]).layers == proof.STEP.step_layers
+            assert gpu_train_step.parse_args(a[3:]).layers == proof_plans.STEP.step_layers
         elif name.startswith("tunix_"):
-            assert gpu_tunix_step.parse_args(a[3:]).rows == proof.STEP.step_batch[0]
+            assert gpu_tunix_step.parse_args(a[3:]).rows == proof_plans.STEP.step_batch[0]
         elif name.startswith("compile_"):
             memory = argv["memory_" + name[len("compile_"):]]
             cache = a[a.index("--compile-cache") + 1]
@@ -453,15 +453,15 @@ def test_dry_run_of_the_step_plan(tmp_path):
     proof_report.validate(report)
     assert report["plan"] == "dry-step" and report["all_phases_ok"]
     records = {rec["phase"]: rec for rec in report["phases"]}
-    assert list(records) == [n for n, _, _ in proof.phases(set(proof.STEP_GROUPS),
-                                                           proof.DRY_STEP)]
+    assert list(records) == [n for n, _, _ in proof.phases(set(proof_plans.STEP_GROUPS),
+                                                           proof_plans.DRY_STEP)]
     for name, rec in records.items():
         if name.startswith(("compile_", "memory_", "liger")):  # no memory_stats, no CUDA
             assert rec["rc"] == 3 and "skipped" in rec["stderr_tail"], name
         elif name != "nvidia-smi":
             assert rec["rc"] == 0, (name, rec["stderr_tail"])
     fig = report["figures"]
-    assert set(fig["train_step"]) == set(proof.DRY_STEP.train_arms)
+    assert set(fig["train_step"]) == set(proof_plans.DRY_STEP.train_arms)
     for arm, row in fig["train_step"].items():
         assert row["loss_ok"] and row["grad_norm_ok"] and row["pipelined_ms"] > 0, arm
     assert set(fig["tunix_step"]) == {"tunix", "fused-xla"}

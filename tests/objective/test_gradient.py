@@ -7,15 +7,15 @@ import pytest
 
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import (
+    TokenBatch,
     entropy_bonus_grad,
-    grpo_objective,
     loss_from_token_stats,
     token_loss_grad,
     token_separable,
     token_weights,
 )
 from grpo_kernels.objective.factors import vespo_weights
-from tests.helpers import family_grid, family_id
+from tests.helpers import family_grid, family_id, objective
 
 MASK = jnp.array([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], jnp.float32)
 
@@ -51,14 +51,14 @@ def test_token_loss_grad_and_entropy_grad_equal_autodiff(cfg):
     equals autodiff of the whole objective, in any chunking."""
     logp, old, ref, sampler, ent, adv = _inputs(1)
     want_g, want_h = jax.grad(
-        lambda lp, e: grpo_objective(lp, MASK, adv, cfg, old, ref, entropy=e,
+        lambda lp, e: objective(lp, MASK, adv, cfg, old, ref, entropy=e,
                                      sampler_logps=sampler)[0], (0, 1))(logp, ent)
     w = token_weights(MASK, cfg)
     a = jnp.broadcast_to(adv[:, None], MASK.shape)
-    flat = [x.reshape(-1) for x in (logp, w, a, old, ref, MASK, sampler)]
-    parts = [token_loss_grad(*(x[s:s + 4] for x in flat[:3]), cfg, flat[3][s:s + 4],
-                             flat[4][s:s + 4], None, flat[5][s:s + 4], flat[6][s:s + 4])
-             for s in range(0, flat[0].size, 4)]
+    names = ("weights", "advantages", "old_logp", "ref_logp", "mask", "sampler_logps")
+    flat = dict(zip(names, (x.reshape(-1) for x in (w, a, old, ref, MASK, sampler))))
+    parts = [token_loss_grad(logp.reshape(-1)[s:s + 4], {k: x[s:s + 4] for k, x in flat.items()},
+                             cfg) for s in range(0, logp.size, 4)]
     np.testing.assert_allclose(jnp.concatenate(parts).reshape(MASK.shape), want_g, rtol=1e-5,
                                atol=1e-8)
     h = entropy_bonus_grad(MASK, cfg)
@@ -76,7 +76,7 @@ def test_detached_weights_of_cispo_and_vespo():
     a = np.asarray(adv, np.float64)[:, None]
     for cfg in (GRPOLossConfig(loss_type="cispo", epsilon_high=1.1),
                 GRPOLossConfig(loss_type="vespo")):
-        g = jax.grad(lambda lp: grpo_objective(lp, MASK, adv, cfg, old)[0])(logp)
+        g = jax.grad(lambda lp: objective(lp, MASK, adv, cfg, old)[0])(logp)
         w = np.asarray(token_weights(MASK, cfg), np.float64)
         if cfg.loss_type == "cispo":
             c = np.minimum(np.exp(np.asarray(logp - old, np.float64)), 1.1)
@@ -90,7 +90,8 @@ def test_row_grad_has_an_entropy_term_only_with_a_coefficient():
     logp, old, _, _, ent, adv = _inputs(3)
     for coef in (0.0, 0.1):
         cfg = GRPOLossConfig(entropy_coef=coef)
-        _, _, row = loss_from_token_stats(logp, ent, MASK, adv, cfg, old)
+        batch = TokenBatch.of(jnp.zeros(MASK.shape, jnp.int32), MASK, adv, old)
+        _, _, row = loss_from_token_stats(logp, ent, batch, cfg)
         assert (row.h is None) == (coef == 0) and (row.entropy is None) == (coef == 0)
         scaled = row.scaled(2.0)
         np.testing.assert_allclose(scaled.g, 2 * row.g)

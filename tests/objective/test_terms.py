@@ -8,7 +8,6 @@ import pytest
 
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import (
-    grpo_objective,
     kl_divergence,
     kl_k3,
     masked_mean,
@@ -18,6 +17,7 @@ from grpo_kernels.objective import (
     token_terms,
     token_weights,
 )
+from tests.helpers import objective
 
 MASK = jnp.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], jnp.float32)
 
@@ -51,8 +51,9 @@ def test_token_loss_grad_equals_autodiff_of_the_objective(beta, delta):
     old = logp + 0.3 * jax.random.normal(k[1], MASK.shape)
     ref = logp + 0.1 * jax.random.normal(k[2], MASK.shape)
     adv = jax.random.normal(k[3], (MASK.shape[0],))
-    want = jax.grad(lambda lp: grpo_objective(lp, MASK, adv, cfg, old, ref)[0])(logp)
-    got = token_loss_grad(logp, token_weights(MASK, cfg), adv[:, None], cfg, old, ref)
+    want = jax.grad(lambda lp: objective(lp, MASK, adv, cfg, old, ref)[0])(logp)
+    got = token_loss_grad(logp, {"weights": token_weights(MASK, cfg), "advantages": adv[:, None],
+                                 "old_logp": old, "ref_logp": ref}, cfg)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8)
     assert float(jnp.abs(want).max()) > 0
 
@@ -61,7 +62,7 @@ def test_sequence_level_is_not_token_separable():
     cfg = GRPOLossConfig(importance_sampling_level="sequence")
     assert not token_separable(cfg)
     with pytest.raises(ValueError, match="token-separable"):
-        token_loss_grad(jnp.zeros(3), jnp.ones(3), jnp.ones(3), cfg)
+        token_loss_grad(jnp.zeros(3), {"weights": jnp.ones(3), "advantages": jnp.ones(3)}, cfg)
 
 
 @pytest.mark.parametrize("mode,want_row0,want_row1", [
@@ -114,7 +115,7 @@ def test_gspo_token_equals_gspo_without_per_token_weights():
             for lvl in ("sequence", "sequence_token") for mode in (None, "token-mean")]
     for seq, tok in zip(cfgs[:2], cfgs[2:], strict=True):
         def f(c):
-            return jax.value_and_grad(lambda lp: grpo_objective(lp, MASK, adv, c, old)[0])(logp)
+            return jax.value_and_grad(lambda lp: objective(lp, MASK, adv, c, old)[0])(logp)
         (v1, g1), (v2, g2) = f(seq), f(tok)
         np.testing.assert_allclose(v1, v2, rtol=1e-6)
         np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-8)
@@ -133,7 +134,7 @@ def test_gspo_token_gradient_formula_with_sampler_weights():
     for cap in (None, float(r[:2, 0].mean())):  # caps one of the two non-empty rows
         cfg = GRPOLossConfig(importance_sampling_level="sequence_token", epsilon_high=0.28,
                              sequence_log_ratio_max=cap)
-        got = jax.grad(lambda lp: grpo_objective(lp, MASK, adv, cfg, old,
+        got = jax.grad(lambda lp: objective(lp, MASK, adv, cfg, old,
                                                  sampler_weights=sampler)[0])(logp)
         a = np.asarray(adv, np.float64)[:, None]
         ratio = np.exp(r)
@@ -194,8 +195,8 @@ def test_entropy_bonus_is_the_masked_token_mean():
     logp = -jnp.abs(jax.random.normal(k[0], MASK.shape))
     ent = jnp.abs(jax.random.normal(k[1], MASK.shape)) + 1.0
     adv = jax.random.normal(k[2], (MASK.shape[0],))
-    base = grpo_objective(logp, MASK, adv, GRPOLossConfig(), entropy=ent)[0]
-    got = grpo_objective(logp, MASK, adv, GRPOLossConfig(entropy_coef=0.3), entropy=ent)[0]
+    base = objective(logp, MASK, adv, GRPOLossConfig(), entropy=ent)[0]
+    got = objective(logp, MASK, adv, GRPOLossConfig(entropy_coef=0.3), entropy=ent)[0]
     m = np.asarray(MASK, np.float64)
     mean = (np.asarray(ent, np.float64) * m).sum() / m.sum()
     np.testing.assert_allclose(float(got), float(base) - 0.3 * mean, rtol=1e-6)

@@ -15,6 +15,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from grpo_kernels.cli.proof_markdown import to_markdown
+from grpo_kernels.cli.proof_step import (_ratio, _rows, _target, _variant, head_peer,
+                                         logps_table, step_table, step_targets)
+
 SCHEMA_VERSION = 1
 # Phases a backend may lack, recorded with their reason: rc 3 (the proof's scripts' "skipped"),
 # nvidia-smi missing ("not run"), or the time budget ("skipped").
@@ -24,22 +28,6 @@ SKIP_CODES = (3, "not run", "skipped")
 MIN_COPY_FRACTION = 0.70
 MAX_PEAK_OVER_LOGITS_PLUS_DLOGITS = 1.10
 MIN_HEAD_PEAK_SAVING_BYTES = 4e9
-
-# The step plan's targets: the trainer's update of fused-xla and logits-pallas against
-# logits-reference's (time back to back, device peak), the fused head against Liger's fused loss
-# (device peak against the lower of Liger's two peaks; time against Liger compiled).
-MAX_FUSED_STEP_TIME = 0.8
-MAX_FUSED_STEP_PEAK = 0.5
-MAX_PALLAS_STEP_TIME = 0.9
-MAX_HEAD_TIME_OVER_LIGER_COMPILED = 0.5
-# First-step agreement of an arm with the baseline arm: gradcheck's bfloat16 gates
-# (cli.gradcheck.DEFAULT_TOLERANCES), the loss's absolute + relative and the gradient norm's
-# relative (dlogits_rtol).
-STEP_LOSS_ATOL = STEP_LOSS_RTOL = 1e-4
-STEP_GRAD_NORM_RTOL = 1e-2
-STEP_KEYS = ("median_ms", "pipelined_ms", "peak_bytes_in_use", "bytes_in_use_before",
-             "temp_bytes", "compile_s", "loss", "grad_norm", "layers", "rows", "prompt",
-             "completion", "vocab")
 
 _RECORD_KEYS = {"phase": str, "rc": (int, str), "wall_s": (int, float), "argv": list,
                 "rows": list}
@@ -74,10 +62,6 @@ def validate(report: Any) -> None:
         check(rec, _RECORD_KEYS, f"proof.phases[{i}]")
     for i, t in enumerate(report["targets"]):
         check(t, _TARGET_KEYS, f"proof.targets[{i}]")
-
-
-def _rows(records: list[dict], prefix: str) -> dict[str, list[dict]]:
-    return {r["phase"]: r["rows"] for r in records if r["phase"].startswith(prefix)}
 
 
 def _bytes_per_element(dtype: str) -> int:
@@ -195,111 +179,6 @@ def figures(records: list[dict]) -> dict[str, Any]:
     return fig
 
 
-def step_table(records: list[dict], prefix: str, baseline: str) -> dict[str, Any]:
-    """The rows of the step phases named ``prefix + arm``, by arm, each with its ratios to
-    ``baseline``'s (time back to back, device peak) and its first step against it."""
-    out = {phase[len(prefix):]: {k: rows[0].get(k) for k in STEP_KEYS}
-           for phase, rows in _rows(records, prefix).items()
-           if rows and rows[0].get("op") != "tunix-logps"}
-    base = out.get(baseline)
-    for arm, r in out.items():
-        if base is None:
-            break
-        r["time_ratio"] = _ratio(r["pipelined_ms"], base["pipelined_ms"])
-        r["peak_ratio"] = _ratio(r["peak_bytes_in_use"], base["peak_bytes_in_use"])
-        r["loss_abs_diff"] = abs(r["loss"] - base["loss"])
-        r["loss_ok"] = r["loss_abs_diff"] <= STEP_LOSS_ATOL + STEP_LOSS_RTOL * abs(base["loss"])
-        r["grad_norm_rel_diff"] = abs(r["grad_norm"] - base["grad_norm"]) / max(
-            abs(base["grad_norm"]), 1e-30)
-        r["grad_norm_ok"] = r["grad_norm_rel_diff"] <= STEP_GRAD_NORM_RTOL
-    return out
-
-
-def logps_table(records: list[dict]) -> dict[str, Any]:
-    """The log-prob pass rows (``op == "tunix-logps"``) by arm, with the time and peak ratios
-    to tunix's pass and the relative difference of the mean log-prob."""
-    out = {}
-    for phase, rows in _rows(records, "tunix_").items():
-        if rows and rows[0].get("op") == "tunix-logps":
-            out[rows[0]["arm"]] = {k: rows[0].get(k) for k in (
-                "median_ms", "pipelined_ms", "peak_bytes_in_use", "temp_bytes", "mean_logp")}
-    base = out.get("logps-tunix")
-    for r in out.values():
-        if base is not None:
-            r["time_ratio"] = _ratio(r["pipelined_ms"], base["pipelined_ms"])
-            r["peak_ratio"] = _ratio(r["peak_bytes_in_use"], base["peak_bytes_in_use"])
-            r["mean_logp_rel_diff"] = abs(r["mean_logp"] - base["mean_logp"]) / max(
-                abs(base["mean_logp"]), 1e-30)
-    return out
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def head_peer(records: list[dict], memory: dict[str, Any]) -> dict[str, Any]:
-    """The fused head beside Liger (the ``liger_head_modes`` phase): our variants' times and
-    plans, Liger's times and torch peaks, and the device peaks of the variants that the
-    ``memory_head_<dweight>[_<rows>]`` phases measured, each in its own process."""
-    rows = _rows(records, "liger_head_modes").get("liger_head_modes") or [{}]
-    row = rows[0]
-    liger = row.get("liger") or {}
-    ours = {name: dict(v) for name, v in (row.get("ours") or {}).items()}
-    for key, m in memory.items():
-        if key.startswith("head_"):
-            ours.setdefault(_variant(key[len("head_"):]), {})["device_peak_bytes"] = m.get(
-                "peak_bytes_in_use")
-    peaks = [v["torch_peak_allocated"] for v in liger.values() if v.get("torch_peak_allocated")]
-    compiled = liger.get("compiled", {}).get("median_ms")
-    for v in ours.values():
-        v["time_over_liger_compiled"] = _ratio(v.get("median_ms"), compiled)
-        v["peak_over_liger"] = _ratio(v.get("device_peak_bytes"), min(peaks) if peaks else None)
-    return {"ours": ours, "liger": liger, "liger_min_peak": min(peaks) if peaks else None,
-            "loss_rel_diff": row.get("loss_rel_diff"), "torch_matmul_ms": row.get(
-                "torch_matmul_ms")}
-
-
-def _variant(key: str) -> str:
-    """A head-memory phase's ``<dweight>[_<rows>]`` as liger_peer.py names the variant."""
-    dweight, _, rows = key.partition("_")
-    return f"xla-{dweight}" + (f"@{rows}" if rows else "")
-
-
-def step_targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
-    """The step plan's numbers, each met, missed or unmeasured (None)."""
-    out = []
-    train = fig.get("train_step", {})
-    for arm, key, wanted in (("fused-xla", "time_ratio", MAX_FUSED_STEP_TIME),
-                             ("fused-xla", "peak_ratio", MAX_FUSED_STEP_PEAK),
-                             ("logits-pallas", "time_ratio", MAX_PALLAS_STEP_TIME)):
-        if arm in train and "logits-reference" in train:
-            v = train[arm].get(key)
-            what = "time, back to back" if key == "time_ratio" else "device peak"
-            out.append(_target(f"update step {arm} / logits-reference {what}", v,
-                               f"<= {wanted}", None if v is None else v <= wanted))
-    for table, base in ((train, "logits-reference"), (fig.get("tunix_step", {}), "tunix")):
-        for arm, r in table.items():
-            if arm == base or "loss_ok" not in r:
-                continue
-            out.append(_target(f"first step loss, {arm} vs {base}", r["loss_abs_diff"],
-                               f"<= {STEP_LOSS_ATOL} + {STEP_LOSS_RTOL}|loss|", r["loss_ok"]))
-            out.append(_target(f"first step gradient norm, {arm} vs {base} (relative)",
-                               r["grad_norm_rel_diff"], f"<= {STEP_GRAD_NORM_RTOL}",
-                               r["grad_norm_ok"]))
-    peer = fig.get("head_peer", {})
-    for name, v in sorted(peer.get("ours", {}).items()):
-        if v.get("peak_over_liger") is not None:
-            r = v["peak_over_liger"]
-            out.append(_target(f"fused head {name} device peak / Liger's lower peak", r, "<= 1",
-                               r <= 1))
-        if v.get("time_over_liger_compiled") is not None and name != "reference":
-            r = v["time_over_liger_compiled"]
-            out.append(_target(f"fused head {name} time / Liger compiled", r,
-                               f"<= {MAX_HEAD_TIME_OVER_LIGER_COMPILED}",
-                               r <= MAX_HEAD_TIME_OVER_LIGER_COMPILED))
-    return out
-
-
 def _winner(tables: list[dict[str, Any]], new: str, old: str, key: str) -> str | None:
     """``new`` when its ``key`` time beat ``old``'s in every table that has both, ``old`` when
     it lost in one, None when no table has both."""
@@ -332,11 +211,6 @@ def fastest(tilings: dict[str, Any], keys: tuple[str, ...]) -> str | None:
     names = set.intersection(*(set(t) for t in tilings.values())) if tilings else set()
     totals = {name: sum(t[name][k] for t in tilings.values() for k in keys) for name in names}
     return min(sorted(totals), key=totals.__getitem__) if totals else None
-
-
-def _target(name: str, value: float | None, target: str, met: bool | None,
-            note: str = "") -> dict[str, Any]:
-    return {"name": name, "value": value, "target": target, "met": met, "note": note}
 
 
 def _issue_shapes(fig: dict[str, Any]) -> list[str]:
@@ -424,165 +298,6 @@ def build(plan: str, records: list[dict], wall_s: float) -> dict[str, Any]:
     return {"schema_version": SCHEMA_VERSION, "plan": plan, "wall_s": wall_s,
             "machine": machine(records), "phases": records, "figures": fig,
             "targets": targets(fig), "all_phases_ok": ok, "auto_impl": auto_impl(fig)}
-
-
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
-def to_markdown(report: dict[str, Any]) -> str:
-    """Tables ready for docs/benchmarks.md."""
-    m, fig = report["machine"], report["figures"]
-    lines = [f"# grpo-kernels proof ({report['plan']} plan, {report['wall_s']:.0f} s)", "",
-             f"Machine: {m.get('nvidia_smi') or m.get('device_kind', '?')}; backend "
-             f"{m.get('backend', '?')}; jax {m.get('jax')}, jaxlib {m.get('jaxlib')}, torch "
-             f"{m.get('torch')}, triton {m.get('triton')}, liger-kernel {m.get('liger-kernel')}; "
-             f"Python {m.get('python')}.", ""]
-    if fig["copy"]:
-        c = fig["copy"]
-        lines += [f"Copy bandwidth ({c.get('how')}, [{c.get('rows')}, {c.get('vocab')}] "
-                  f"{c.get('dtype')}): {c['bandwidth_bytes_per_s'] / 1e12:.3f} TB/s."]
-        cb = fig.get("copy_pipelined")
-        if cb:
-            lines += [f"Back to back ({cb.get('how')}): "
-                      f"{cb['pipelined_bytes_per_s'] / 1e12:.3f} TB/s."]
-        lines += [""]
-    lines += ["| phase | rc | wall s |", "|---|---|---|"]
-    lines += [f"| {r['phase']} | {r['rc']} | {r['wall_s']:.1f} |" for r in report["phases"]]
-    if fig["logits"]:
-        lines += ["", "| shape | impl | median ms | first call s | process peak bytes | "
-                  "TB/s (3 V b) | of copy | back to back ms | of copy, back to back |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-    for s, t in fig["logits"].items():
-        for impl, r in t.items():
-            lines.append(f"| {s} | {impl} | {_fmt(r['median_ms'])} | {_fmt(r['first_call_s'])}"
-                         f" | {_fmt(r['peak_bytes_in_use'])} | {r['bytes_per_s'] / 1e12:.3f} | "
-                         f"{_fmt(r['copy_fraction'])} | {_fmt(r.get('pipelined_ms'))} | "
-                         f"{_fmt(r.get('pipelined_copy_fraction'))} |")
-    if fig["layouts"]:
-        lines += ["", "| N x V | GPU layout | statistics ms | statistics, of copy (V b) | "
-                  "gradient ms | step ms | step, of copy (3 V b; one_pass 2 V b; xla_read V b) |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {s} | {k} | {_fmt(v['stats_ms'])} | {_fmt(v['stats_copy_fraction'])} | "
-                  f"{_fmt(v['grad_ms'])} | {_fmt(v['step_ms'])} | {_fmt(v['copy_fraction'])} |"
-                  for s, t in fig["layouts"].items() for k, v in t.items()]
-        lines += ["", f"GPU layout this run supports as the default: {_fmt(fig['gpu_layout'])} "
-                  "(xla_copy's step is XLA's z + 1, the gradient kernel's bytes; xla_read's is "
-                  "XLA's row max, the statistics kernel's).",
-                  "", f"GPU one_pass=None this run supports: {_fmt(fig['gpu_one_pass'])}."]
-    if fig["one_pass_tilings"]:
-        lines += ["", "| N x V | one-pass tiling | tile | warps | programs | stages | L2 hints | "
-                  "kernel ms | of copy (2 V b) |", "|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {s} | {k} | {v['block_vocab']} | {v['num_warps']} | {v['programs']} | "
-                  f"{_fmt(v['stages'])} | {_fmt(v['l2_hints'])} | {_fmt(v['kernel_ms'])} | "
-                  f"{_fmt(v['copy_fraction'])} |"
-                  for s, t in fig["one_pass_tilings"].items() for k, v in t.items()]
-        lines += ["", f"One-pass kernel's fastest tiling (summed over the shapes): "
-                  f"{_fmt(fig['one_pass_tiling'])} (one_pass: pallas_gpu_one_pass.plan_blocks's)."]
-    if fig["tilings"]:
-        lines += ["", "| N x V | aligned tiling | tile | warps | statistics ms | gradient ms |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {s} | {k} | {v['block_vocab']} | {v['num_warps']} | "
-                  f"{_fmt(v['stats_ms'])} | {_fmt(v['grad_ms'])} |"
-                  for s, t in fig["tilings"].items() for k, v in t.items()]
-        lines += ["", f"Aligned layout's fastest tiling (statistics + gradient, summed over "
-                  f"the shapes): {_fmt(fig['aligned_tiling'])} (aligned: pallas_gpu.plan_blocks's"
-                  " tiling)."]
-    if fig["memory"]:
-        lines += ["", "| memory phase | peak bytes | peak / (logits + dlogits) |", "|---|---|---|"]
-        lines += [f"| {k} | {_fmt(v['peak_bytes_in_use'])} | "
-                  f"{_fmt(v['peak_over_logits_plus_dlogits'])} |" for k, v in fig["memory"].items()]
-    if fig["lm_head"]:
-        lines += ["", "| fused head | median ms | / reference | / 3 matmuls |", "|---|---|---|---|"]
-        lines += [f"| {k} | {_fmt(v.get('median_step_ms'))} | "
-                  f"{_fmt(v.get('median_step_ms_ratio_to_reference'))} | "
-                  f"{_fmt(v.get('time_over_3_matmuls'))} |"
-                  for k, v in fig["lm_head"].items() if k != "gradcheck"]
-    if fig["gradcheck"]:
-        lines += ["", "| gradcheck | passed | max rel dlogits |", "|---|---|---|"]
-        lines += [f"| {k} | {v['passed']}/{v['checks']} | {_fmt(v['max_rel_diff_dlogits'])} |"
-                  for k, v in fig["gradcheck"].items()]
-    if fig["liger"]:
-        lines += ["", "| Liger peer | Liger median ms (each variant) | ours / Liger |",
-                  "|---|---|---|"]
-        for k, v in fig["liger"].items():
-            liger = v["liger"] or {}
-            times = ({"": liger["median_ms"]} if "median_ms" in liger else
-                     {name: r["median_ms"] for name, r in liger.items()})
-            lines.append(f"| {k} | " + ", ".join(f"{n} {t:.4g}".strip() for n, t in times.items())
-                         + " | " + ", ".join(f"{n} {r:.3f}" for n, r in
-                                             (v["ours_over_liger"] or {}).items()) + " |")
-    lines += step_markdown(fig)
-    lines += ["", "| target | value | wanted | met | note |", "|---|---|---|---|---|"]
-    lines += [f"| {t['name']} | {_fmt(t['value'])} | {t['target']} | {_fmt(t['met'])} | "
-              f"{t['note']} |" for t in report["targets"]]
-    lines += ["", f"impl='auto' entry this run supports: {_fmt(report['auto_impl'])} "
-              "(docs/kernels.md says how to add it).", ""]
-    return "\n".join(lines)
-
-
-def _gb(v: Any) -> str:
-    return "-" if v is None else f"{v / 1e9:.2f}"
-
-
-def step_markdown(fig: dict[str, Any]) -> list[str]:
-    """The step plan's tables (empty where its phases did not run)."""
-    lines: list[str] = []
-    for key, title, base in (("train_step", "trainer update", "logits-reference"),
-                             ("tunix_step", "tunix update", "tunix")):
-        table = fig.get(key) or {}
-        if not table:
-            continue
-        r0 = next(iter(table.values()))
-        lines += ["", f"{title}: {r0.get('layers')} layers, {r0.get('rows')} x "
-                  f"({r0.get('prompt')} + {r0.get('completion')}) tokens, vocabulary "
-                  f"{r0.get('vocab')}; time and peak ratios to {base}", "",
-                  "| arm | ms, alone | ms, back to back | time ratio | device peak GB | "
-                  "peak ratio | planned temp GB | compile s | first loss | first grad norm "
-                  "| loss ok | grad norm ok |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {arm} | {_fmt(r['median_ms'])} | {_fmt(r['pipelined_ms'])} | "
-                  f"{_fmt(r.get('time_ratio'))} | {_gb(r['peak_bytes_in_use'])} | "
-                  f"{_fmt(r.get('peak_ratio'))} | {_gb(r['temp_bytes'])} | "
-                  f"{_fmt(r['compile_s'])} | {_fmt(r['loss'])} | {_fmt(r['grad_norm'])} | "
-                  f"{_fmt(r.get('loss_ok'))} | {_fmt(r.get('grad_norm_ok'))} |"
-                  for arm, r in table.items()]
-    logps = fig.get("tunix_logps") or {}
-    if logps:
-        lines += ["", "| tunix log-prob pass | ms, alone | ms, back to back | time ratio | "
-                  "device peak GB | peak ratio | mean log-prob | relative difference |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {arm} | {_fmt(r['median_ms'])} | {_fmt(r['pipelined_ms'])} | "
-                  f"{_fmt(r.get('time_ratio'))} | {_gb(r['peak_bytes_in_use'])} | "
-                  f"{_fmt(r.get('peak_ratio'))} | {_fmt(r['mean_logp'])} | "
-                  f"{_fmt(r.get('mean_logp_rel_diff'))} |" for arm, r in logps.items()]
-    peer = fig.get("head_peer") or {}
-    if peer.get("ours") or peer.get("liger"):
-        lines += ["", "| fused head vs Liger | median ms | planned temp GB | device / torch "
-                  "peak GB | with the compile | time / Liger compiled | peak / Liger's lower |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| ours {k} | {_fmt(v.get('median_ms'))} | {_gb(v.get('temp_size_in_bytes'))}"
-                  f" | {_gb(v.get('device_peak_bytes'))} | {_gb(v.get('peak_with_compile'))} | "
-                  f"{_fmt(v.get('time_over_liger_compiled'))} | {_fmt(v.get('peak_over_liger'))} |"
-                  for k, v in peer["ours"].items()]
-        lines += [f"| Liger {k} | {_fmt(v.get('median_ms'))} | - | "
-                  f"{_gb(v.get('torch_peak_allocated'))} | - | - | - |"
-                  for k, v in peer["liger"].items()]
-    ab = fig.get("ab") or {}
-    if ab.get("runs"):
-        lines += ["", f"trainer A/B ({ab.get('report')}, {ab.get('curves')}): means over the "
-                  "steps after the first (which compiles)", "",
-                  "| arm | rollout s | update s | device peak GB | update ratio | peak ratio | "
-                  "step 1 loss ok | grad norm ok |", "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {arm} | {_fmt(r['rollout_after_step1_s'])} | "
-                  f"{_fmt(r['update_after_step1_s'])} | {_gb(r['peak_bytes'])} | "
-                  f"{_fmt(r.get('update_ratio'))} | {_fmt(r.get('peak_ratio'))} | "
-                  f"{_fmt(r.get('step1_loss_ok'))} | {_fmt(r.get('step1_grad_norm_ok'))} |"
-                  for arm, r in ab["runs"].items()]
-    return lines
 
 
 def write(out: Path, plan: str, records: list[dict], wall_s: float) -> dict[str, Any]:

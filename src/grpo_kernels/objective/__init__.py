@@ -11,6 +11,7 @@ the math lives in one place. All inputs are upcast to float32.
   off-policy and high-entropy masks, VESPO's weight, the entropy bonus's weights);
 - :mod:`.metrics`: TRL's metrics;
 - :mod:`.segments`: packed rows (several sequences to a row) and their per-segment sums;
+- :mod:`.batch`: ``TokenBatch``, a call's inputs besides the log-probs, as one pytree;
 - :mod:`.gradient`: ``dL/dlogp`` and ``dL/dH`` as the fast implementations consume them.
 """
 
@@ -27,6 +28,7 @@ from grpo_kernels.objective.gradient import (
 from grpo_kernels.objective.metrics import loss_metrics, masked_mean
 from grpo_kernels.objective.segments import Segments
 from grpo_kernels.objective.base import BatchGather, BatchSum, advantage_columns
+from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.objective.terms import (
     grpo_objective,
     kl_divergence,
@@ -40,7 +42,7 @@ from grpo_kernels.objective.terms import (
 from grpo_kernels.objective.weights import token_weights
 
 __all__ = [
-    "BatchGather", "BatchSum", "RowGrad", "Segments", "advantage_columns",
+    "BatchGather", "BatchSum", "RowGrad", "Segments", "TokenBatch", "advantage_columns",
     "entropy_bonus_grad", "grpo_objective",
     "kl_divergence", "kl_k3", "log_importance_ratio", "loss_from_token_stats", "loss_metrics",
     "masked_mean", "policy_factors", "policy_term", "selected_row_grad",

@@ -5,7 +5,7 @@ need them: :math:`g = \partial L / \partial \log\pi` and :math:`h = \partial L /
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,9 @@ import jax.numpy as jnp
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import factors as lw
 from grpo_kernels.objective.metrics import loss_metrics
-from grpo_kernels.objective.segments import Segments
+
+if TYPE_CHECKING:
+    from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.objective.base import BatchGather, BatchSum, _f32, _local
 from grpo_kernels.objective.terms import (
     grpo_objective,
@@ -67,22 +69,14 @@ class RowGrad(NamedTuple):
 def loss_from_token_stats(
     logp: Array,
     entropy: Array,
-    mask: Array,
-    advantages: Array,
+    batch: TokenBatch,
     config: GRPOLossConfig,
-    old_logp: Array | None = None,
-    ref_logp: Array | None = None,
-    num_items_in_batch: Array | None = None,
     with_grad: bool = True,
-    sampler_weights: Array | None = None,
     batch_sum: BatchSum = _local,
-    sampler_logps: Array | None = None,
     batch_gather: BatchGather = _local,
-    segments: Segments | None = None,
 ) -> tuple[Array, dict[str, Array], RowGrad | None]:
-    r"""``(loss, metrics, grad)`` from the ``[B, T]`` log-probs and entropies of an
-    implementation (``segments``: packed rows, as in
-    :func:`~grpo_kernels.objective.grpo_objective`).
+    r"""``(loss, metrics, grad)`` from the ``[B, T]`` log-probs and entropies an
+    implementation computed for ``batch`` (:func:`~grpo_kernels.objective.grpo_objective`).
 
     ``grad`` (``None`` without ``with_grad``) holds :math:`g = \partial L / \partial \log\pi`
     and, when ``entropy_coef != 0``, :math:`h = \partial L / \partial H` with ``entropy``:
@@ -91,9 +85,7 @@ def loss_from_token_stats(
     with_entropy = config.has_entropy_bonus
 
     def objective(lp, ent):
-        return grpo_objective(lp, mask, advantages, config, old_logp, ref_logp,
-                              num_items_in_batch, batch_sum, sampler_weights, ent,
-                              sampler_logps, batch_gather, segments)
+        return grpo_objective(lp, batch, config, ent, batch_sum, batch_gather)
 
     grad = None
     ent = _f32(entropy)
@@ -103,8 +95,7 @@ def loss_from_token_stats(
         grad = RowGrad(d[0], d[1], ent) if with_entropy else RowGrad(d)
     else:
         loss, aux = objective(logp, ent)
-    return loss, loss_metrics(logp, entropy, aux, mask, advantages, config, batch_sum,
-                              segments), grad
+    return loss, loss_metrics(logp, entropy, aux, batch, config, batch_sum), grad
 
 
 def token_separable(config: GRPOLossConfig) -> bool:
@@ -132,39 +123,35 @@ def separable_given_selection(config: GRPOLossConfig) -> bool:
             and token_separable(dataclasses.replace(config, top_entropy_quantile=1.0)))
 
 
-def token_loss_grad(
-    logp: Array,
-    weights: Array,
-    advantages: Array,
-    config: GRPOLossConfig,
-    old_logp: Array | None = None,
-    ref_logp: Array | None = None,
-    sampler_weights: Array | None = None,
-    mask: Array | None = None,
-    sampler_logps: Array | None = None,
-) -> Array:
+def token_loss_grad(logp: Array, columns: dict[str, Array | None],
+                    config: GRPOLossConfig) -> Array:
     r"""``g = \partial L / \partial \log\pi`` for any subset of tokens (see
     :func:`token_separable`).
 
     With :math:`L = \sum_{bt} w_{bt} \ell_{bt}` and :math:`\ell_{bt}` a function of
-    :math:`\log\pi_{bt}` alone, :math:`g_{bt} = w_{bt}\,\partial\ell_{bt}/\partial\log\pi_{bt}`:
-    every argument is a per-token array of one shape (a chunk of flattened tokens), and the
-    result has that shape. ``mask`` and ``sampler_logps`` serve the token-level sampler
-    correction. The entropy bonus's :math:`h` does not depend on ``logp``:
+    :math:`\log\pi_{bt}` alone, :math:`g_{bt} = w_{bt}\,\partial\ell_{bt}/\partial\log\pi_{bt}`.
+    ``columns`` are the tokens' inputs (``TokenBatch.token_columns``: ``weights``,
+    ``advantages``, and where given ``old_logp``, ``ref_logp``, ``sampler_weights``, ``mask``
+    and ``sampler_logps``), each of ``logp``'s shape (a chunk of flattened tokens, a kernel's
+    block), and the result has that shape. ``mask`` and ``sampler_logps`` serve the
+    token-level sampler correction. The entropy bonus's :math:`h` does not depend on ``logp``:
     :func:`entropy_bonus_grad`.
     """
     if not token_separable(config):
         raise ValueError("token_loss_grad needs a token-separable config (token level, no "
                          "VESPO, off-policy mask, sequence-level correction or entropy "
                          f"quantile), got {config!r}")
+    c = columns
+    advantages = c["advantages"]
 
     def total(lp):
-        old = jax.lax.stop_gradient(lp) if old_logp is None else _f32(old_logp)
+        old = jax.lax.stop_gradient(lp) if c.get("old_logp") is None else _f32(c["old_logp"])
         ratio = log_importance_ratio(lp, old, None, config)
-        m = jnp.ones_like(lp) if mask is None else mask
-        scale, _ = policy_factors(lp, old, m, advantages, config, sampler_logps)
-        terms = token_terms(lp, ratio, advantages, config, ref_logp, sampler_weights, scale)
-        return weighted_loss(_f32(weights), terms, config)[0]
+        m = jnp.ones_like(lp) if c.get("mask") is None else c["mask"]
+        scale, _ = policy_factors(lp, old, m, advantages, config, c.get("sampler_logps"))
+        terms = token_terms(lp, ratio, advantages, config, c.get("ref_logp"),
+                            c.get("sampler_weights"), scale)
+        return weighted_loss(_f32(c["weights"]), terms, config)[0]
 
     return jax.grad(total)(_f32(logp))
 
@@ -175,11 +162,7 @@ def token_row_grad(logp: Array, columns: dict[str, Array | None],
     and their columns (``TokenBatch.token_columns``, any common shape, e.g. a chunk of rows or
     a kernel's ``[rows, 1]`` block): :math:`g` by :func:`token_loss_grad`, :math:`h` as given
     (without ``entropy``: a caller with the rows' :math:`H` adds it)."""
-    c = columns
-    g = token_loss_grad(logp, c["weights"], c["advantages"], config, c.get("old_logp"),
-                        c.get("ref_logp"), c.get("sampler_weights"), c.get("mask"),
-                        c.get("sampler_logps"))
-    return RowGrad(g, c.get("h"))
+    return RowGrad(token_loss_grad(logp, columns, config), columns.get("h"))
 
 
 def selected_row_grad(logp: Array, entropy: Array, selected: Array, norm: Array,
@@ -202,8 +185,7 @@ def selected_row_grad(logp: Array, entropy: Array, selected: Array, norm: Array,
     (:mod:`grpo_kernels.ops.lm_head_loss.xla_quantile`)."""
     c, free = columns, dataclasses.replace(config, top_entropy_quantile=1.0)
     sw = selected if c.get("sampler_weights") is None else c["sampler_weights"] * selected
-    g = token_loss_grad(logp, c["weights"], c["advantages"], free, c.get("old_logp"),
-                        c.get("ref_logp"), sw, c.get("mask"), c.get("sampler_logps"))
+    g = token_loss_grad(logp, {**c, "sampler_weights": sw}, free)
     if not config.has_entropy_bonus:
         return RowGrad(g)
     h = -config.entropy_coef * (_f32(c["mask"]) * selected / norm)

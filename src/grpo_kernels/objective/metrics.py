@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.objective.segments import Segments
 from grpo_kernels.objective.base import BatchSum, _f32, _local, advantage_columns
+
+if TYPE_CHECKING:
+    from grpo_kernels.objective.batch import TokenBatch
 
 Array = jax.Array
 
@@ -22,30 +26,29 @@ def loss_metrics(
     logp: Array,
     entropy: Array,
     aux: dict[str, Array],
-    mask: Array,
-    advantages: Array,
+    batch: TokenBatch,
     config: GRPOLossConfig,
     batch_sum: BatchSum = _local,
-    segments: Segments | None = None,
 ) -> dict[str, Array]:
     """Metrics reported beside the loss (TRL's definitions), all without gradient.
 
-    Means are over the whole batch (``batch_sum``, see :data:`BatchSum`):
+    Means are over the whole ``batch`` (``batch_sum``, see :data:`BatchSum`):
 
     - ``logp`` and ``token_entropy``: ``[B, T]`` per-token log-probs of the chosen tokens and
       entropies of ``softmax(z / temperature)``.
     - ``clip_ratio_low``: share with ``coef_1 < 1 - eps_low`` and ``A < 0``;
       ``clip_ratio_high``: ``coef_1 > 1 + eps_high`` and ``A > 0``; ``clip_ratio_region``:
       either. Token level: masked token mean; sequence levels: mean over sequences (with
-      packed rows, ``segments``: over the active segments).
+      packed rows, ``batch.segments``: over the active segments).
     - ``kl``: masked token mean of the per-token KL (0 when no ``ref_logps`` were given).
     - ``entropy``: masked token mean of ``token_entropy``.
     - ``policy_loss`` and ``kl_loss``: the two parts of the loss
       (``loss = policy_loss + beta * kl_loss``, minus the entropy bonus with ``entropy_coef``).
     """
     sg = jax.lax.stop_gradient
+    mask, segments = batch.mask, batch.segments
     coef_1 = sg(aux["coef_1"])
-    adv = advantage_columns(advantages)
+    adv = advantage_columns(batch.advantages)
     low = ((coef_1 < 1.0 - config.epsilon_low) & (adv < 0)).astype(jnp.float32)
     high = ((coef_1 > 1.0 + config.epsilon_high) & (adv > 0)).astype(jnp.float32)
     region = jnp.maximum(low, high)

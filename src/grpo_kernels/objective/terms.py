@@ -13,16 +13,20 @@ Notation, for sequence ``b`` and position ``t`` with mask :math:`m_{bt} \in \{0,
 
 where the KL estimate compares with the reference policy's log-prob :math:`\rho` (k3 by
 default: :math:`e^{\rho - \log\pi} - (\rho - \log\pi) - 1`). The loss is
-:math:`L = \sum_{bt} w_{bt} \ell_{bt}` with the weights of :func:`~grpo_kernels.objective.weights.token_weights`. Options beyond
-TRL's (tunix's dual clip, log-ratio clamps, sampler weights, KL estimators and aggregations) are
-described where they act: :func:`log_importance_ratio`, :func:`kl_divergence`,
-:func:`token_terms`, :func:`~grpo_kernels.objective.weights.token_weights`. TRL's newer options (the CISPO, SAPO, VESPO and LUSPO
-losses, the sampler correction, the off-policy sequence mask, the KL bias correction, the entropy
-bonus and high-entropy token selection) act in :func:`policy_term` and :func:`policy_factors`,
-with the factors of :mod:`grpo_kernels.objective.factors`; docs/loss.md writes each out.
+:math:`L = \sum_{bt} w_{bt} \ell_{bt}` with the weights of
+:func:`~grpo_kernels.objective.weights.token_weights`. Options beyond TRL's (tunix's dual clip,
+log-ratio clamps, sampler weights, KL estimators and aggregations) are described where they act:
+:func:`log_importance_ratio`, :func:`kl_divergence`, :func:`token_terms`,
+:func:`~grpo_kernels.objective.weights.token_weights`. TRL's newer options (the CISPO, SAPO,
+VESPO and LUSPO losses, the sampler correction, the off-policy sequence mask, the KL bias
+correction, the entropy bonus and high-entropy token selection) act in :func:`policy_term` and
+:func:`policy_factors`, with the factors of :mod:`grpo_kernels.objective.factors`;
+docs/loss.md writes each out.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +37,9 @@ from grpo_kernels.objective.base import (Array, BatchGather, BatchSum, _f32, _lo
                                          _row_counts, _sg, advantage_columns)
 from grpo_kernels.objective.segments import Segments
 from grpo_kernels.objective.weights import token_weights
+
+if TYPE_CHECKING:
+    from grpo_kernels.objective.batch import TokenBatch
 
 
 def _clamped_diff(logp: Array, old_logp: Array, config: GRPOLossConfig) -> Array:
@@ -233,57 +240,51 @@ def weighted_loss(weights: Array, terms: dict[str, Array | None], config: GRPOLo
 
 def grpo_objective(
     logp: Array,
-    mask: Array,
-    advantages: Array,
+    batch: TokenBatch,
     config: GRPOLossConfig,
-    old_logps: Array | None = None,
-    ref_logps: Array | None = None,
-    num_items_in_batch: Array | float | None = None,
-    batch_sum: BatchSum = _local,
-    sampler_weights: Array | None = None,
     entropy: Array | None = None,
-    sampler_logps: Array | None = None,
+    batch_sum: BatchSum = _local,
     batch_gather: BatchGather = _local,
-    segments: Segments | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     r"""The scalar GRPO loss as a function of the chosen-token log-probs and entropies.
 
     :math:`L = \sum_{bt} w_{bt} \ell_{bt} - \text{entropy\_coef} \sum_{bt} u_{bt} H_{bt}`
-    with :math:`\ell` of :func:`token_terms`, :math:`w` of :func:`token_weights` and :math:`u`
-    of :func:`~grpo_kernels.objective.factors.entropy_weights` (the bonus only when
+    with :math:`\ell` of :func:`token_terms`, :math:`w` of
+    :func:`~grpo_kernels.objective.weights.token_weights` and :math:`u` of
+    :func:`~grpo_kernels.objective.factors.entropy_weights` (the bonus only when
     ``entropy_coef != 0``).
 
     Args:
       logp: ``[B, T]`` log-probs of the chosen tokens under the current policy.
-      mask: ``[B, T]`` completion mask.
-      advantages: ``[B]`` advantages, or ``[B, T]`` (one per token: packed rows).
+      batch: The call's other inputs (:class:`~grpo_kernels.objective.batch.TokenBatch`; its
+        ``ids`` are not read): the ``[B, T]`` mask; ``[B]`` advantages, or ``[B, T]`` (one
+        per token: packed rows); the sampling policy's log-probs (``None``: on-policy, ``old =
+        stop_gradient(logp)``, ratio exactly 1 with gradient ``A``); the reference policy's
+        (required when ``beta > 0``); the ``dapo`` normaliser; the sampler weights of each
+        token's policy term; the sampler's log-probs (``sampler_correction``); packed rows'
+        segments (every sequence-level quantity per segment).
       config: Loss options.
-      old_logps: ``[B, T]`` log-probs under the sampling policy; ``None`` means on-policy
-        (``old = stop_gradient(logp)``, ratio exactly 1 with gradient ``A``).
-      ref_logps: ``[B, T]`` reference-policy log-probs; required when ``beta > 0``.
-      num_items_in_batch: The ``dapo`` normaliser.
-      batch_sum: Local sum -> whole-batch sum (see :data:`BatchSum`).
-      sampler_weights: Optional ``[B, T]`` weights of each token's policy term.
       entropy: ``[B, T]`` entropies; needed by ``entropy_coef`` and ``top_entropy_quantile``.
-      sampler_logps: ``[B, T]`` sampler log-probs; needed by ``sampler_correction``.
+      batch_sum: Local sum -> whole-batch sum (see :data:`BatchSum`).
       batch_gather: This device's rows -> the whole batch's (see :data:`BatchGather`).
-      segments: The layout of packed rows (the sequence-level quantities per segment), or
-        ``None``.
 
     Returns:
       ``(loss, aux)``: ``aux`` holds the ``[B, T]`` ``coef_1`` and ``kl`` for the metrics and
       the two parts of the loss, ``policy_loss`` and ``kl_loss`` (the aggregated KL before
-      ``beta``; zero without ``ref_logps``).
+      ``beta``; zero without reference log-probs).
     """
+    b = batch
+    mask = b.mask
     logp = _f32(logp)
-    adv = advantage_columns(advantages)
-    old = _sg(logp) if old_logps is None else _f32(old_logps)
-    log_ratio = log_importance_ratio(logp, old, mask, config, segments)
+    adv = advantage_columns(b.advantages)
+    old = _sg(logp) if b.old_logps is None else _f32(b.old_logps)
+    log_ratio = log_importance_ratio(logp, old, mask, config, b.segments)
     selected = (lw.entropy_mask(entropy, mask, config, batch_gather)
                 if config.top_entropy_quantile < 1.0 else None)
-    scale, phi = policy_factors(logp, old, mask, adv, config, sampler_logps, selected)
-    terms = token_terms(logp, log_ratio, adv, config, ref_logps, sampler_weights, scale, phi)
-    weights = token_weights(mask, config, num_items_in_batch, batch_sum, segments)
+    scale, phi = policy_factors(logp, old, mask, adv, config, b.sampler_logps, selected)
+    terms = token_terms(logp, log_ratio, adv, config, b.ref_logps, b.sampler_weights, scale,
+                        phi)
+    weights = token_weights(mask, config, b.num_items, batch_sum, b.segments)
     loss, policy_loss, kl_loss = weighted_loss(weights, terms, config, batch_sum)
     if config.has_entropy_bonus:
         u = lw.entropy_weights(mask, batch_sum, selected)

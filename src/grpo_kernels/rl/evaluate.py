@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -100,3 +100,28 @@ def held_out(config: Any, pool: Sequence[data_lib.Problem], count: int | None = 
                          f"{config.data.source!r} must come from a file (e.g. GSM8K's test "
                          "split)")
     return data_lib.held_out_problems(count, config.data.difficulty, config.seed, pool)
+
+
+def evaluate_into(run_dir: str, which: str, step: int, evaluate_fn: Callable[[int], dict],
+                  problems: Sequence[data_lib.Problem], primary: bool = True) -> None:
+    """``evaluate_fn(step)`` written to the run directory's ``EVAL_FILES[which]`` (``"before"``
+    with the held-out ``problems`` beside it) and reported on stderr, unless the directory
+    already holds that file for ``step`` (a resumed run does not score twice). Only the
+    ``primary`` process writes; every process evaluates."""
+    import json
+    import sys
+
+    from grpo_kernels.rl.run_dir import EVAL_FILES, write_json
+
+    path = os.path.join(run_dir, EVAL_FILES[which])
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            if json.load(f).get("step") == step:
+                return
+    result = evaluate_fn(step)
+    if primary:
+        write_json(path, result)
+        if which == "before":
+            data_lib.save_problems(os.path.join(run_dir, EVAL_FILES["problems"]), problems)
+        print(f"held-out accuracy {which} (step {step}): {result['accuracy']:.3f} "
+              f"± {result['accuracy_se']:.3f} on {result['n']} problems", file=sys.stderr)

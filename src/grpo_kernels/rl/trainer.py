@@ -12,7 +12,8 @@ continues from its last checkpoint exactly as if it had never stopped.
 
 Held-out accuracy: with ``eval.num_problems`` set, the policy's greedy accuracy on held-out
 problems (disjoint from the training pool) is measured before the first step and after the
-last, and written to the run directory (:data:`grpo_kernels.rl.run_dir.EVAL_FILES`) as soon as each is known.
+last, and written to the run directory (:data:`grpo_kernels.rl.run_dir.EVAL_FILES`) as soon as
+each is known.
 
 Non-finite steps: each micro-batch's loss and gradient are checked on the host before they
 count; the first that is not finite ends the step's update without applying it, so the
@@ -26,9 +27,7 @@ checkpoints would then change shape, and cannot say which micro-batch failed.)
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import sys
 import time
 from typing import Any, Callable
@@ -49,13 +48,14 @@ from grpo_kernels.rl import data as data_lib
 from grpo_kernels.rl import kernel as kernel_lib
 from grpo_kernels.rl import processes
 from grpo_kernels.rl import rewards as rewards_lib
-from grpo_kernels.rl.evaluate import evaluate, held_out
+from grpo_kernels.rl import rollout as rollout_lib
+from grpo_kernels.rl.evaluate import evaluate, evaluate_into, held_out
 from grpo_kernels.rl.checkpoint import Checkpoints
 from grpo_kernels.rl.config import TrainConfig
+from grpo_kernels.rl.optim import make_optimizer
 from grpo_kernels.rl.policy import (METRIC_NAMES, Batch, make_programs, micro_config,
                                     micro_scale)
-from grpo_kernels.rl.run_dir import (EVAL_FILES, RunDir, device_peak_bytes, peak_rss_bytes,
-                                     write_json)
+from grpo_kernels.rl.run_dir import RunDir, device_peak_bytes, peak_rss_bytes
 
 Array = jax.Array
 
@@ -66,20 +66,6 @@ def load_policy(config: TrainConfig) -> tuple[Decoder, Any]:
     return _load_policy(**dataclasses.asdict(config.model), seed=config.seed)
 
 
-def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping and a warmup-cosine schedule over every update."""
-    o = config.optim
-    updates = config.train.steps * config.train.ppo_epochs
-    warmup = min(o.warmup_steps, max(updates - 1, 0))
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0 if warmup else o.learning_rate, peak_value=o.learning_rate,
-        warmup_steps=warmup, decay_steps=max(updates, warmup + 1),
-        end_value=o.learning_rate * o.end_lr_ratio)
-    return optax.chain(optax.clip_by_global_norm(o.max_grad_norm),
-                       optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps,
-                                   weight_decay=o.weight_decay))
-
-
 class NonFiniteError(RuntimeError):
     """``train.max_skipped_steps`` consecutive steps had a non-finite loss or gradient."""
 
@@ -87,13 +73,6 @@ class NonFiniteError(RuntimeError):
 def _all_finite(tree: Any) -> Array:
     """Whether every element of every leaf of ``tree`` is finite (one boolean scalar)."""
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
-
-def step_seed(seed: int, step: int, process: int = 0) -> int:
-    """The sampling seed of step ``step``: a function of ``(seed, step)`` only; process
-    ``p > 0`` of a multi-process run samples its share with its own stream."""
-    key = [seed, step] if process == 0 else [seed, step, process]
-    return int(np.random.default_rng(key).integers(2 ** 31 - 1))
 
 
 # --- the trainer ----------------------------------------------------------------------------
@@ -262,30 +241,13 @@ class Trainer:
                        temperature=c.rollout.temperature, top_k=c.rollout.top_k,
                        top_p=c.rollout.top_p, eos_ids=self.tokenizer.eos_ids,
                        pad_id=self.tokenizer.pad_id,
-                       seed=step_seed(c.seed, step, jax.process_index()))
+                       seed=rollout_lib.step_seed(c.seed, step, jax.process_index()))
         texts = [self.tokenizer.decode(ids[m == 1]) for ids, m in zip(gen.ids, gen.mask)]
-        rows = [p for p in problems for _ in range(g)]
-        functions = [(f.name, f.weight) for f in c.rewards.functions]
-        reward, parts = rewards_lib.score(texts, rows, functions)
-        sample = {"question": problems[0].question, "answer": problems[0].answer,
-                  "completion": texts[0], "reward": float(reward[0])}
+        reward, parts, sample = rollout_lib.score(texts, problems, g, c.rewards.functions)
         gen, reward, parts = self._gather(gen, reward, parts)
         advantages = rewards_lib.group_advantages(reward, g, c.rewards.scale_rewards)
-        batch = Batch(ids=np.concatenate([gen.prompt_ids, gen.ids], axis=1),
-                      attention=np.concatenate([gen.prompt_mask, gen.mask], axis=1),
-                      mask=gen.mask, advantages=advantages,
-                      prompt_width=int(gen.prompt_ids.shape[1]),
-                      sampler_logps=gen.logps if wants_sampler_logps(self.loss_config)
-                      else None)
-        lengths = gen.mask.sum(axis=1)
-        ended = np.isin(gen.ids, self.tokenizer.eos_ids).any(axis=1)
-        metrics = {"reward/mean": float(reward.mean()), "reward/std": float(reward.std()),
-                   **{f"reward/{name}": float(v.mean()) for name, v in parts.items()},
-                   "completion/length_mean": float(lengths.mean()),
-                   "completion/length_max": int(lengths.max()),
-                   "completion/truncated_ratio": float(1 - ended.mean()),
-                   "tokens": int(gen.prompt_mask.sum() + gen.mask.sum())}
-        return batch, metrics, sample
+        batch = rollout_lib.to_batch(gen, advantages, wants_sampler_logps(self.loss_config))
+        return batch, rollout_lib.metrics(gen, reward, parts, self.tokenizer.eos_ids), sample
 
     def _gather(self, gen: Any, reward: np.ndarray,
                 parts: dict[str, np.ndarray]) -> tuple[Any, np.ndarray, dict[str, np.ndarray]]:
@@ -325,22 +287,10 @@ class Trainer:
         return {"step": step, **result}
 
     def _evaluate_into(self, which: str, step: int) -> None:
-        """Runs :meth:`evaluate` unless the run directory already holds its result for
-        ``step``; writes it (process 0) and reports it on stderr."""
-        path = os.path.join(self.config.train.run_dir, EVAL_FILES[which])
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                if json.load(f).get("step") == step:
-                    return
-        result = self.evaluate(step)
-        if processes.is_primary():
-            write_json(path, result)
-            if which == "before":
-                data_lib.save_problems(os.path.join(self.config.train.run_dir,
-                                                    EVAL_FILES["problems"]), self.held_out)
-            print(f"held-out accuracy {which} (step {step}): {result['accuracy']:.3f} "
-                  f"± {result['accuracy_se']:.3f} on {result['n']} problems",
-                  file=sys.stderr)
+        """:func:`grpo_kernels.rl.evaluate.evaluate_into` of :meth:`evaluate` into the run
+        directory."""
+        evaluate_into(self.config.train.run_dir, which, step, self.evaluate, self.held_out,
+                      processes.is_primary())
 
     # --- checkpoints ----------------------------------------------------------------------
 

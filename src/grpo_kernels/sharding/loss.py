@@ -2,7 +2,7 @@
 
 Per device: the primals (logits ``[B/b, T, V/k]``, or hidden states ``[B/b, T, H]`` with a
 tensor-parallel head shard ``[H, V/k]`` / ``[V/k, H]`` and its bias) and this device's rows of
-the :class:`~grpo_kernels.ops.core.batch.TokenBatch` (``b`` = product of the batch axes, ``k``
+the :class:`~grpo_kernels.objective.batch.TokenBatch` (``b`` = product of the batch axes, ``k``
 = the vocab axis). :func:`_shard_loss` is the same for both ops: the chosen implementation's
 statistics ``pieces`` over the local columns, :mod:`grpo_kernels.sharding.vocab` to combine
 them across the vocab axis, the objective normalised over the whole batch through ``psum``
@@ -32,7 +32,7 @@ from jax.sharding import Mesh, PartitionSpec
 from grpo_kernels.compat import to_layout, vary
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective.segments import Segments
-from grpo_kernels.ops.core.batch import TokenBatch
+from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.ops.core.online_softmax import soft_cap
 from grpo_kernels.ops.core.validate import (check_ids_in_range, check_softcap, resolve_impl,
                                             validate_token_inputs)

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.ops.core.batch import TokenBatch
+from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.sharding.spec import ShardingSpec
 
 Array = jax.Array

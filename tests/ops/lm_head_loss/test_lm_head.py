@@ -14,9 +14,10 @@ from grpo_kernels import (GRPOLossConfig, LmHeadBlockSizes, LmHeadPallasBlockSiz
 from grpo_kernels.config import CLASSIC_LOSS_TYPES
 from grpo_kernels.ops.lm_head_loss import pallas_options, pallas_tpu
 from grpo_kernels.ops.lm_head_loss import xla as head_xla
-from grpo_kernels.ops.lm_head_loss import xla_sweep
+from grpo_kernels.ops.lm_head_loss import xla_plan as head_plan
+from grpo_kernels.ops.lm_head_loss import xla_sweep, xla_vocab
 from grpo_kernels.ops.lm_head_loss.head import delta_dtype
-from grpo_kernels.ops.lm_head_loss.xla import plan_chunk, plan_vocab_block
+from grpo_kernels.ops.lm_head_loss.xla_plan import plan_chunk, plan_vocab_block
 from tests.helpers import (as64, cached_reference, family_grid, family_id, lowered_text,
                            option_grid, option_id, rel_err, take_plan_of)
 from tests.oracle import oracle
@@ -186,8 +187,8 @@ def test_pallas_kernels_take_w_as_a_tpu_stores_it(monkeypatch, layout, match):
 def test_dweight_blocks_with_a_tail(monkeypatch, layout):
     """dW goes over blocks of its rows into an [H, V] accumulator (transposed once for "vh"):
     H = 256 in two full blocks of 104 rows and a tail of 48, with chunked rows and a bias."""
-    monkeypatch.setattr(head_xla, "DWEIGHT_ELEMENTS", 104 * V + 7)
-    assert head_xla.dweight_rows(H, V, "cpu") == 104
+    monkeypatch.setattr(head_plan, "DWEIGHT_ELEMENTS", 104 * V + 7)
+    assert head_plan.dweight_rows(H, V, "cpu") == 104
     cfg = GRPOLossConfig(beta=0.04)
     assert_close("xla", make_inputs(11, layout=layout, bias=True), cfg, layout)
 
@@ -230,9 +231,9 @@ def test_dweight_by_vocabulary_slabs_bf16(monkeypatch, layout):
     cfg = GRPOLossConfig(beta=0.04, temperature=0.7)
     inputs = make_inputs(18, layout=layout, bias=True, dtype=jnp.bfloat16)
     blocks = LmHeadBlockSizes(chunk_tokens=8, chunk_bytes=128 * 32 * B * T, dweight="vocab")
-    monkeypatch.setattr(xla_sweep, "DWEIGHT_SLABS", 3)
+    monkeypatch.setattr(xla_vocab, "DWEIGHT_SLABS", 3)
     _, _, three = run("xla", inputs, cfg, layout=layout, options=blocks)
-    monkeypatch.setattr(xla_sweep, "DWEIGHT_SLABS", 1)
+    monkeypatch.setattr(xla_vocab, "DWEIGHT_SLABS", 1)
     _, _, one = run("xla", inputs, cfg, layout=layout, options=blocks)
     _, _, by_tokens = run("xla", inputs, cfg, layout=layout,
                           options=LmHeadBlockSizes(chunk_tokens=8))
@@ -269,7 +270,7 @@ def test_dweight_by_vocabulary_holds_no_accumulator(layout):
     by_tokens = temp_bytes("tokens", 1024) - temp_bytes("tokens", 512)
     by_vocab = temp_bytes("vocab", 1024) - temp_bytes("vocab", 512)
     assert by_tokens >= 4 * weights, by_tokens / weights
-    assert by_vocab <= 1.1 * 2 * 2 / xla_sweep.DWEIGHT_SLABS * weights, by_vocab / weights
+    assert by_vocab <= 1.1 * 2 * 2 / xla_vocab.DWEIGHT_SLABS * weights, by_vocab / weights
 
 
 def test_delta_dtype_is_the_narrower():
@@ -416,9 +417,9 @@ def test_chunk_stats_blocks_match_whole_rows(block):
 
 
 def test_plan_chunk():
-    assert [head_xla.dweight_rows(4096, 151_936, k) for k in ("cpu", "gpu", "tpu")] == [
+    assert [head_plan.dweight_rows(4096, 151_936, k) for k in ("cpu", "gpu", "tpu")] == [
         24, 4096, 512]
-    assert head_xla.dweight_rows(256, 151_936, "tpu") == 256
+    assert head_plan.dweight_rows(256, 151_936, "tpu") == 256
     assert plan_chunk(4096, 32768, LmHeadBlockSizes(), "cpu") == 256
     assert plan_chunk(100, 32768, LmHeadBlockSizes(chunk_tokens=300), "cpu") == 100
     assert plan_chunk(10**6, 10**7, LmHeadBlockSizes(), "cpu") == 8
@@ -559,8 +560,8 @@ def test_xla_accelerator_plan_matches_reference(monkeypatch, kind, dtype, dweigh
     or all of its rows per update on GPU, a plain bfloat16 cast), run on this CPU, at both
     sequence and token level."""
     take_plan_of(monkeypatch, head_xla, kind)
-    monkeypatch.setattr(head_xla, "TPU_DWEIGHT_ROWS", 96)  # H = 256: 96 + 96 + a tail of 64
-    assert head_xla.dweight_rows(H, V, kind) == (96 if kind == "tpu" else H)
+    monkeypatch.setattr(head_plan, "TPU_DWEIGHT_ROWS", 96)  # H = 256: 96 + 96 + a tail of 64
+    assert head_plan.dweight_rows(H, V, kind) == (96 if kind == "tpu" else H)
     opts = LmHeadBlockSizes(chunk_tokens=8, dweight=dweight)
     tol = 1e-5 if dtype == jnp.float32 else 2.0 ** -6
     for level in ("token", "sequence"):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from grpo_kernels.ops.lm_head_loss.lookup import tied_lookup
-from grpo_kernels.ops.lm_head_loss.xla_sweep import DWEIGHT_SLABS
+from grpo_kernels.ops.lm_head_loss.xla_vocab import DWEIGHT_SLABS
 
 # Not a multiple of DWEIGHT_SLABS: the last slab is narrower than the others.
 VOCAB, HIDDEN = 203, 8

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from grpo_kernels import GRPOLossConfig, LmHeadBlockSizes, grpo_loss_from_hidden
-from grpo_kernels.ops.core.batch import TokenBatch
+from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.ops.lm_head_loss import xla as head_xla
 from grpo_kernels.ops.lm_head_loss import xla_quantile
 from grpo_kernels.ops.lm_head_loss.xla_sweep import Head, head_sweep

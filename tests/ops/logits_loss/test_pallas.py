@@ -18,8 +18,8 @@ from grpo_kernels.objective.gradient import RowGrad
 from grpo_kernels.ops.core.tpu import GENERATIONS, VMEM_BYTES
 from grpo_kernels.ops.logits_loss import pallas_tpu
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
-from tests.helpers import (family_grid, family_id, grid_id, loss_grid_split, option_grid,
-                           option_id, reference_value_and_grad, rel_err)
+from tests.helpers import (cuda_export, family_grid, family_id, grid_id, loss_grid_split,
+                           option_grid, option_id, reference_value_and_grad, rel_err)
 from tests.ops.logits_loss.test_impls import assert_matches_reference
 
 KERNELS = ("tpu", "gpu")
@@ -283,10 +283,9 @@ def _export_value_and_grad(b, t, v, dtype, platform, kernel, level="token", soft
                          options=PallasOptions(kernel=kernel, interpret=False, **options))
 
     step = jax.jit(jax.value_and_grad(f, has_aux=True))
-    # Triton custom calls carry no serialization-compatibility promise; lowering is what counts.
-    checks = ([jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-              if platform == "cuda" else [])
-    return jax.export.export(step, platforms=[platform], disabled_checks=checks)(*args)
+    if platform == "cuda":
+        return cuda_export(step, *args)
+    return jax.export.export(step, platforms=[platform])(*args)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])

@@ -31,7 +31,7 @@ from grpo_kernels.integrations.tunix.inputs import (Example, example_inputs, mod
                                                     token_inputs)
 from grpo_kernels.integrations.tunix.log_probs import (log_probs_function, log_probs_patched,
                                                        patch_log_probs, unpatch_log_probs)
-from grpo_kernels.integrations.tunix.losses import (POLICY_LOSSES, fused_options,
+from grpo_kernels.integrations.tunix.losses import (POLICY_LOSSES, fused_options,  # noqa: F401
                                                     fused_policy_loss, logits_options,
                                                     logits_policy_loss, register)
 from grpo_kernels.integrations.tunix.outputs import differentiated, loss_output, tunix_aux

@@ -23,11 +23,11 @@ from grpo_kernels.integrations.tunix.models import (call_model, completion_hidde
                                                     head_vocab, not_read, reading)
 from grpo_kernels.integrations.tunix.outputs import policy_output
 from grpo_kernels.integrations.tunix.placement import placement
-from grpo_kernels.ops.core.batch import TokenBatch
+from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.ops.core.validate import validate_token_inputs
 from grpo_kernels.ops.lm_head_loss.api import default_impl as default_head_impl
 from grpo_kernels.ops.lm_head_loss.api import grpo_loss_from_hidden
-from grpo_kernels.ops.lm_head_loss.xla import LmHeadBlockSizes
+from grpo_kernels.ops.lm_head_loss.xla_plan import LmHeadBlockSizes
 from grpo_kernels.ops.logits_loss.api import default_impl as default_logits_impl
 from grpo_kernels.ops.logits_loss.api import grpo_loss
 from grpo_kernels.ops.logits_loss.pallas import PallasOptions

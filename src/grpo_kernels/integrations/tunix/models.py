@@ -1,10 +1,11 @@
 r"""Models read below their logits: final hidden states and LM-head weights, or a head function.
 
 Both registered losses (:mod:`grpo_kernels.integrations.tunix`) read a tunix Qwen2, Qwen3,
-Llama3, Gemma3 or Gemma (tunix 0.1.7 and its development head) this way, when they can: the fused loss to hold no ``[B, T, V]``
-array at all, the logits-level loss to form the completion's logits itself,
-``hidden[:, -T-1:-1] @ W`` in the model's compute dtype, where tunix's ``__call__`` forms every
-position's (Qwen2 and Qwen3 cast them to float32: :func:`completion_logits`). Both give the
+Llama3, Gemma3 or Gemma (tunix 0.1.7 and its development head) this way, when they can: the
+fused loss to hold no ``[B, T, V]`` array at all, the logits-level loss to form the
+completion's logits itself, ``hidden[:, -T-1:-1] @ W`` in the model's compute dtype, where
+tunix's ``__call__`` forms every position's (Qwen2 and Qwen3 cast them to float32:
+:func:`completion_logits`). Both give the
 same numbers as the model's ``__call__``, which :func:`call_model` calls as tunix's loss does.
 
 Which way a model is read (:func:`head_blocker`):
@@ -172,11 +173,12 @@ def head_blocker(model: Any) -> str | None:
 
 def embed(model: Any, tokens: Array) -> tuple[Array, Array]:
     """``model.embedder.encode(tokens)`` (tunix 0.1.7 and its head: the rows, cast to the
-    embedder's dtype except in Llama3, constrained to its ``act_btd`` sharding) by :func:`tied_lookup`, and the
-    embedding table it passes through: a tied head that uses that table gets the lookup's
-    gradient added into its own in place (no float32 copy of the table on XLA:CPU)."""
+    embedder's dtype except in Llama3, constrained to its ``act_btd`` sharding) by
+    :func:`tied_lookup`, and the embedding table it passes through: a tied head that uses that
+    table gets the lookup's gradient added into its own in place (no float32 copy of the table
+    on XLA:CPU)."""
     embedder = model.embedder
-    x, table = tied_lookup(embedder.input_embedding.value, tokens)
+    x, table = tied_lookup(embedder.input_embedding.get_value(), tokens)
     if model_family(model) != "llama3":
         x = jnp.astype(x, embedder.dtype)
     return importlib.import_module(type(embedder).__module__).shard(
@@ -192,17 +194,17 @@ def _hidden_by_call(model: Any, inputs: dict[str, Any]) -> Array:
     if skips_lm_head(model):
         return call_model(model, inputs, skip_lm_head=True)[0]
     call_model(model, inputs, output_hidden_states=True)
-    return nnx.pop(model, nnx.Intermediate)["all_hidden_states"].value[-1]
+    return nnx.pop(model, nnx.Intermediate)["all_hidden_states"].get_value()[-1]
 
 
 def hidden_states(model: Any, inputs: dict[str, Any]) -> tuple[Array, Array]:
     """``([B, L, D]`` after the final norm, the embedding table for :func:`lm_head`): the
     model's ``__call__`` up to its head, with the same modules and arguments (tunix's Qwen2,
-    Qwen3 and Llama3, 0.1.7 and the head alike; the lookup by :func:`embed`). Gemma3, Gemma and a qwix-adapted
-    model run their own ``__call__`` (module docstring)."""
+    Qwen3 and Llama3, 0.1.7 and the head alike; the lookup by :func:`embed`). Gemma3, Gemma
+    and a qwix-adapted model run their own ``__call__`` (module docstring)."""
     family = model_family(model)
     if qwix_adapted(model) or family in BY_CALL:
-        return _hidden_by_call(model, inputs), model.embedder.input_embedding.value
+        return _hidden_by_call(model, inputs), model.embedder.input_embedding.get_value()
     tokens, positions = inputs["input_tokens"], inputs["positions"]
     attn, seg = inputs["attention_mask"], inputs.get("segment_ids")
     x, table = embed(model, tokens)
@@ -232,7 +234,7 @@ def lm_head(model: Any, hidden: Array, table: Array) -> Head:
     """
     family = model_family(model)
     tied = _tied(model, family)
-    w, layout = (table, "vh") if tied else (model.lm_head.w.value, "hv")
+    w, layout = (table, "vh") if tied else (model.lm_head.w.get_value(), "hv")
     stored = family in ("llama3", *BY_CALL)
     dtype = jnp.result_type(hidden.dtype, w.dtype) if stored else model.config.dtype
     cap = getattr(model, "final_logits_softcap", None) if family == "gemma" else None

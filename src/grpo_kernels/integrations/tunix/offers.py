@@ -4,16 +4,14 @@ behaviour), never from its version string.
 The integration serves tunix 0.1.7 (PyPI, June 2026) and its development head (what MaxText
 installs; vendored at commit c7d8950f for the tests), which differ where our losses meet them:
 
-==========================  =====================================  =====================================
-                            0.1.7                                  development head
-==========================  =====================================  =====================================
-a policy loss returns       ``(loss, aux)``                        ``sft.utils.LossOutput`` of
-                                                                   ``WeightedMetric`` (sum, denominator)
-packed rows                 ``segment_ids``, aggregated per row    ``num_segments`` too: per segment
-``sequence-mean-token-      divides by the non-empty rows          divides by the rows (``B``)
-sum-norm`` (unpacked)
-``compute_per_token_logps`` ``return_logits``                      ``return_entropy``, ``chunk_size``
-==========================  =====================================  =====================================
+- a policy loss returns ``(loss, aux)`` on 0.1.7, a ``sft.utils.LossOutput`` of
+  ``WeightedMetric`` (sum, denominator) on the head;
+- packed rows carry ``segment_ids`` and are aggregated per row on 0.1.7; on the head they also
+  carry ``num_segments`` and every sequence-level quantity is per segment;
+- an unpacked ``sequence-mean-token-sum-norm`` batch is divided by its non-empty rows on 0.1.7,
+  by its rows (``B``) on the head;
+- ``compute_per_token_logps`` takes ``return_logits`` on 0.1.7, ``return_entropy`` and
+  ``chunk_size`` on the head.
 """
 
 from __future__ import annotations

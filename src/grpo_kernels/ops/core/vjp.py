@@ -3,7 +3,7 @@ r"""The one ``custom_vjp`` of every fast backend: the gradient is formed in the 
 A fast backend computes, in one forward, the loss, its metrics and everything the gradient
 needs (the gradient itself, or the ``O(N)`` residuals a gradient kernel reads). Its backward
 only multiplies by the loss cotangent :math:`\bar L` (or hands it to the gradient kernel). The
-per-token inputs (:class:`~grpo_kernels.ops.core.batch.TokenBatch`) get zero cotangents: the
+per-token inputs (:class:`~grpo_kernels.objective.batch.TokenBatch`) get zero cotangents: the
 loss is differentiable w.r.t. the primals only, as TRL's is w.r.t. the logits.
 """
 

@@ -11,7 +11,7 @@ from grpo_kernels.ops.lm_head_loss.pallas_options import (
     LmHeadPallasBlockSizes,
     LmHeadPallasOptions,
 )
-from grpo_kernels.ops.lm_head_loss.xla import LmHeadBlockSizes
+from grpo_kernels.ops.lm_head_loss.xla_plan import LmHeadBlockSizes
 
 __all__ = ["IMPL_CHOICES", "IMPLEMENTATIONS", "LAYOUTS", "LmHeadBlockSizes",
            "LmHeadPallasBlockSizes", "LmHeadPallasOptions", "default_impl",

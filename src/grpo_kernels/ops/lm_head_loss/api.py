@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective.segments import Segments
-from grpo_kernels.ops.core.batch import TokenBatch
+from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import common_dtype
 from grpo_kernels.ops.core.validate import (
     check_ids_in_range,

@@ -17,7 +17,7 @@ and its backward pass receives :math:`D` and writes the rows' sums into it:
 2. for each distinct id, :math:`D_v` read, the sum added in float32, the result rounded to the
    table's dtype once;
 3. those rows written over :math:`D`'s by plain assignment of 16-bit patterns, slab by slab
-   (:func:`.xla_sweep.in_slabs`): the extra memory is two slabs, a quarter of the table.
+   (:func:`.xla_vocab.in_slabs`): the extra memory is two slabs, a quarter of the table.
 
 Each row touched is rounded once (autodiff rounds the lookup's sum, then the addition); float32
 tables take a plain scatter-add into :math:`D`, which has no such copy.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from grpo_kernels.ops.lm_head_loss.xla_sweep import in_slabs
+from grpo_kernels.ops.lm_head_loss.xla_vocab import in_slabs
 
 Array = jax.Array
 

@@ -44,7 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from grpo_kernels.compat import out_struct
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.ops.core.batch import TokenBatch
+from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import common_dtype
 from grpo_kernels.ops.core.online_softmax import (block_stats, cap_logits, finish, merge_stats,
                                                   softmax_grad, with_cap_grad)

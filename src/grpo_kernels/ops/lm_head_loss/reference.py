@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.ops.core.batch import TokenBatch
+from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.ops.core.reference import token_logp_and_entropy
 from grpo_kernels.ops.lm_head_loss.head import HeadFormat, head_logits
 

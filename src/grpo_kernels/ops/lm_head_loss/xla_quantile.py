@@ -48,7 +48,7 @@ from grpo_kernels.objective.factors import (
     select_at,
 )
 from grpo_kernels.objective.base import _local
-from grpo_kernels.ops.core.batch import TokenBatch
+from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.ops.lm_head_loss.xla_sweep import (
     Head,
     ThenFn,

@@ -8,7 +8,7 @@ import jax
 
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective.segments import Segments
-from grpo_kernels.ops.core.batch import TokenBatch
+from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.ops.core.validate import (
     backend_kind,
     check_ids_in_range,

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from grpo_kernels.compat import vary_like
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import BatchGather, BatchSum, token_row_grad, token_separable
-from grpo_kernels.ops.core.batch import TokenBatch
+from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.ops.core.options import check_int, check_interpret, resolved_interpret
 from grpo_kernels.ops.core.tpu import check_generation
 from grpo_kernels.ops.core.validate import backend_kind

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.ops.core.batch import TokenBatch
+from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.ops.core.reference import token_logp_and_entropy
 
 Array = jax.Array

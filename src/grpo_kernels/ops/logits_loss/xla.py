@@ -43,7 +43,7 @@ import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective import RowGrad
-from grpo_kernels.ops.core.batch import TokenBatch
+from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import cast_to
 from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, sweep
 from grpo_kernels.ops.core.online_softmax import soft_cap, softmax_grad, with_cap_grad

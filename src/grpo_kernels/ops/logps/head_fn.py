@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from grpo_kernels.ops.core.reference import token_logp_and_entropy
 from grpo_kernels.ops.core.validate import backend_kind
-from grpo_kernels.ops.lm_head_loss.xla import LmHeadBlockSizes, plan_chunk
+from grpo_kernels.ops.lm_head_loss.xla_plan import LmHeadBlockSizes, plan_chunk
 
 Array = jax.Array
 
@@ -34,7 +34,7 @@ Array = jax.Array
 def chunk_positions(batch: int, time: int, vocab: int, blocks: LmHeadBlockSizes,
                     backend: str) -> int:
     """Positions per chunk: the fused head's row budget (:func:`~grpo_kernels.ops.lm_head_loss.
-    xla.plan_chunk`, ``blocks.chunk_tokens`` rows or ``blocks.chunk_bytes`` of float32 logits)
+    xla_plan.plan_chunk`, ``blocks.chunk_tokens`` rows or ``blocks.chunk_bytes`` of float32 logits)
     spread over the ``batch`` rows, at least 1 and at most ``time``."""
     rows = plan_chunk(batch * time, vocab, blocks, backend)
     return max(1, min(time, rows // batch))

@@ -1,4 +1,5 @@
-"""``TokenBatch``: the per-token inputs of the loss, one pytree for every backend."""
+"""``TokenBatch``: the per-call inputs of the loss besides its logits (or hidden states and
+head) and its config: one pytree that every backend takes and the objective reads."""
 
 from __future__ import annotations
 
@@ -8,16 +9,10 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.objective import (
-    BatchGather,
-    BatchSum,
-    RowGrad,
-    Segments,
-    advantage_columns,
-    entropy_bonus_grad,
-    loss_from_token_stats,
-    token_weights,
-)
+from grpo_kernels.objective.base import BatchGather, BatchSum, advantage_columns
+from grpo_kernels.objective.gradient import RowGrad, entropy_bonus_grad, loss_from_token_stats
+from grpo_kernels.objective.segments import Segments
+from grpo_kernels.objective.weights import token_weights
 
 Array = jax.Array
 
@@ -27,7 +22,9 @@ Array = jax.Array
 class TokenBatch:
     """What the loss needs besides the logits (or hidden states and head) and the config.
 
-    Every fast backend takes it whole and gives it zero cotangents (:mod:`.vjp`); the sharding
+    Every fast backend takes it whole and gives it zero cotangents
+    (:mod:`grpo_kernels.ops.core.vjp`); the objective's functions read it
+    (:func:`~grpo_kernels.objective.grpo_objective`); the sharding
     layer splits it over the batch axes.
 
     Attributes:
@@ -84,11 +81,7 @@ class TokenBatch:
         extra = {} if batch_sum is None else {"batch_sum": batch_sum}
         if batch_gather is not None:
             extra["batch_gather"] = batch_gather
-        return loss_from_token_stats(logp, entropy, self.mask, self.advantages, config,
-                                     self.old_logps, self.ref_logps, self.num_items,
-                                     with_grad=with_grad, sampler_weights=self.sampler_weights,
-                                     sampler_logps=self.sampler_logps, segments=self.segments,
-                                     **extra)
+        return loss_from_token_stats(logp, entropy, self, config, with_grad=with_grad, **extra)
 
     def token_columns(self, config: GRPOLossConfig, batch_sum: BatchSum | None = None,
                       ) -> dict[str, Array | None]:
