@@ -20,7 +20,7 @@ import pytest
 tunix_available = pytest.importorskip(
     "tunix", reason="google-tunix is not installed (make test installs grpo-kernels[tunix])")
 
-from tunix.rl import algo_core, common, function_registry  # noqa: E402
+from tunix.rl import algo_core, function_registry  # noqa: E402
 from tunix.rl.grpo.grpo_learner import GRPOConfig  # noqa: E402
 
 from grpo_kernels import LmHeadBlockSizes  # noqa: E402
@@ -29,8 +29,9 @@ from grpo_kernels.integrations import tunix as ours  # noqa: E402
 from grpo_kernels.integrations.tunix import models as tunix_modules  # noqa: E402
 from grpo_kernels.integrations.tunix import offers  # noqa: E402
 from tests.helpers import pairwise  # noqa: E402
+from tests.ops.lm_head_loss.test_lookup import WIDENS_BF16_SCATTER  # noqa: E402
 from tests.integrations.tunix_models import (  # noqa: E402
-    EOS, PAD, TOL, assert_parity, loss_and_grads, max_rel_err, packed_example, tiny_model,
+    EOS, PAD, assert_parity, loss_and_grads, max_rel_err, packed_example, tiny_model,
     train_example)
 KL_MODES = ("kl", "mse_kl", "low_var_kl")
 FACTORS = (LOSS_AGG_MODES, KL_MODES, ("grpo", "gspo-token"), (None, 3.0), (False, True))
@@ -242,7 +243,8 @@ def test_fused_update_holds_no_logits_sized_temporaries():
 def test_tied_bf16_update_plans_no_float32_copy_of_the_embedding(monkeypatch):
     """A tied bfloat16 Qwen3, one jitted update: the fused loss's lookup (tied_lookup) adds its
     gradient into the head's; the plain ``table[ids]`` lookup in its place plans a float32
-    scatter-add the size of the table (two more table-sized bf16 copies) on XLA:CPU."""
+    scatter-add the size of the table (two more table-sized bf16 copies) on XLA:CPU (jaxlib
+    0.12's: one bf16 copy)."""
     from flax import nnx
 
     if jax.default_backend() != "cpu":
@@ -266,7 +268,10 @@ def test_tied_bf16_update_plans_no_float32_copy_of_the_embedding(monkeypatch):
     fused = temp_bytes()
     monkeypatch.setattr(tunix_modules, "tied_lookup", lambda t, ids: (t[ids], t))
     plain = temp_bytes()
-    assert plain - fused >= 1.5 * table, (fused, plain, table)
+    # jaxlib 0.12's XLA:CPU no longer widens the scatter-add (tests/ops/lm_head_loss/
+    # test_lookup.py): the saving is then one table-sized bf16 copy, not that and a float32 one
+    saved = 1.5 if WIDENS_BF16_SCATTER else 0.9
+    assert plain - fused >= saved * table, (fused, plain, table)
 
 
 def test_fused_default_forms_dweight_by_vocabulary_blocks():

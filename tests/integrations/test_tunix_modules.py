@@ -23,6 +23,11 @@ from tests.integrations.tunix_models import (  # noqa: E402
     train_example)
 
 BODY = ".*attn.*|.*mlp.*"  # the decoder layers' projections, as tunix's LoRA examples adapt
+# The adapters' gradients pass back through every layer's attention and LoRA products, which
+# magnify float32 rounding: on jax 0.12's XLA:CPU the first layer's LoRA gradient of a tied
+# Qwen2 lands 1.09e-5 from tunix's (both losses alike, each 2e-7 from tunix at the head), on
+# jax 0.10 under 1e-5. A misread adapter is off by order 1.
+LORA_GRAD_TOL = 2e-5
 
 
 def with_lora(model, example, module_path: str):
@@ -56,7 +61,8 @@ def test_lora_adapted_models_match_tunix(family, tied):
     assert abs(float(want[0]) - float(plain[0])) > 1e-3  # the adapters change the loss
     for fn in (ours.logits_policy_loss, ours.fused_policy_loss):
         assert_parity(f"{family}-lora-{fn.__name__}",
-                      loss_and_grads(fn, adapted, example, cfg, jit=False), want)
+                      loss_and_grads(fn, adapted, example, cfg, jit=False), want,
+                      grad_tol=LORA_GRAD_TOL)
     assert not jax.tree.leaves(nnx.state(adapted, nnx.Intermediate))  # nothing left sown
 
 

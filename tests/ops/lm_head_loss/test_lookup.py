@@ -11,6 +11,10 @@ import pytest
 from grpo_kernels.ops.lm_head_loss.lookup import tied_lookup
 from grpo_kernels.ops.lm_head_loss.xla_vocab import DWEIGHT_SLABS
 
+# XLA:CPU up to jaxlib 0.11 widens a bfloat16 scatter-add (the gradient of ``table[ids]``)
+# to a float32 buffer the table's size; jaxlib 0.12's writes it in place. tied_lookup's
+# saving is a claim about the first (docs/integrations/tunix.md, "The actor update").
+WIDENS_BF16_SCATTER = tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 12)
 # Not a multiple of DWEIGHT_SLABS: the last slab is narrower than the others.
 VOCAB, HIDDEN = 203, 8
 
@@ -100,5 +104,8 @@ def test_bf16_table_gradient_plans_no_float32_copy_of_the_table():
     table = 2 * vocab * hidden
     ours, plain = temp(tied_lookup), temp(lambda t, i: (t[i], t))
     assert ours <= (2 / DWEIGHT_SLABS + 0.1) * table, (ours, plain, table)
-    if jax.default_backend() == "cpu":  # what is avoided there (another backend may not widen)
-        assert plain >= 1.5 * table, (ours, plain, table)
+    if jax.default_backend() == "cpu":
+        if WIDENS_BF16_SCATTER:  # what is avoided there (another backend may not widen)
+            assert plain >= 1.5 * table, (ours, plain, table)
+        else:  # the plain gradient is written in place: nothing to avoid on this compiler
+            assert plain < 0.1 * table, (ours, plain, table)
