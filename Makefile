@@ -88,7 +88,10 @@ test-tunix-head: $(STAMP)
 # (constraints-py312.txt: jax 0.12.0.1, flax 0.12.12, google-tunix 0.1.7; no torch, whose only
 # Python 3.12 wheel is a CUDA build, so the Liger peer's test is left out), in .venv312. Where
 # no python3.12 is found it says so in one line and runs nothing.
-PYTHON312 ?= $(firstword $(shell command -v python3.12) $(wildcard /root/.pyenv/versions/3.12*/bin/python3.12))
+# (The first candidate that runs: a pyenv shim answers `command -v` and may still fail.)
+PYTHON312 ?= $(shell for p in $(wildcard /root/.pyenv/versions/3.12*/bin/python3.12) \
+	$$(command -v python3.12); do "$$p" -c "import sys" 2>/dev/null && echo "$$p" && break; \
+	done)
 VENV312 := .venv312
 STAMP312 := $(VENV312)/.installed
 $(STAMP312): pyproject.toml constraints-py312.txt
