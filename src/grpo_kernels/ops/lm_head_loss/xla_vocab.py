@@ -146,6 +146,10 @@ def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array
     vocab, axis = head.vocab, (1 if head.layout == "hv" else 0)
     coef = row.map(lambda x: x.astype(_F32)).over(temperature)
     dtype = head.w.dtype
+    # W enters the sweep through a barrier with lse, which the statistics pass produced: else
+    # XLA:CPU from jaxlib 0.12 may schedule this pass's first gathered block (it depends on W
+    # alone) before that pass's last one is freed, two gathered blocks live at once.
+    w_after, lse = jax.lax.optimization_barrier((head.w, lse))
 
     def block(col, width, w, dh):
         """``(dW, db, dh)`` of the columns ``col .. col + width``, dW in its layout and dtype."""
@@ -180,7 +184,7 @@ def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array
                 db = jax.lax.dynamic_update_slice_in_dim(db, dbb, offset + col, 0)
             return dw, db, dh, w
 
-        dw, db, dh, _ = sweep(width, min(cols, width), body, (dw, *carry, head.w), like=like)
+        dw, db, dh, _ = sweep(width, min(cols, width), body, (dw, *carry, w_after), like=like)
         return dw, (db, dh)
 
     dw = vary_like(jnp.zeros(head.w.shape, dtype), *like)
