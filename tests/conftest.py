@@ -6,16 +6,41 @@ the tests read: the float operations and their order (XLA's HLO fixes them; the 
 most whether a multiply and an add fuse, one rounding) and the HLO passes (fusion, buffer
 assignment) behind the memory and lowering tests. It must be in XLA_FLAGS before a JAX backend
 starts; subprocesses the tests spawn inherit it. A level the caller set wins.
+
+Many tests compile the same program (one loss at one shape, under another test's name, in
+another worker, or in a subprocess of the proof's dry runs), so every run shares JAX's
+persistent compilation cache in a temporary directory of its own: made by the first pytest
+process (xdist's controller, before its workers start; they and every subprocess inherit it
+through the environment), removed when that process ends. Nothing survives the run, so each
+run compiles from nothing as CI does. A ``JAX_COMPILATION_CACHE_DIR`` the caller set wins
+(and is left in place).
 """
 
+import collections
 import os
+import shutil
+import tempfile
 
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = " ".join(
         [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
 
+_OWNED_CACHE = None
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    _OWNED_CACHE = tempfile.mkdtemp(prefix="grpo_kernels_jax_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWNED_CACHE
+    # Every program, however quick to compile: at the tests' shapes most compile in well under
+    # the default second, and reading one back is faster still.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+if _OWNED_CACHE is not None:  # also where a plugin imported JAX before the environment was set
+    jax.config.update("jax_compilation_cache_dir", _OWNED_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -27,7 +52,46 @@ def _no_implicit_rank_promotion():
 
 
 def pytest_addoption(parser):
-    parser.addoption("--tunix-grid", choices=("auto", "full", "pairwise"), default="auto",
-                     help="tests/integrations/test_tunix.py's parity grid: every combination "
-                     "(full), every pair (pairwise), or auto: full against tunix 0.1.7, "
-                     "pairwise against its development head")
+    parser.addoption("--tunix-grid", choices=("full", "pairwise"), default="pairwise",
+                     help="tests/integrations/test_tunix.py's parity grid: every pair of "
+                     "options (default) or every combination (full)")
+
+
+def pytest_unconfigure(config):
+    if _OWNED_CACHE is not None:
+        shutil.rmtree(_OWNED_CACHE, ignore_errors=True)
+
+
+# Test time each folder may use, in seconds summed over the tests' setup, call and teardown
+# (over all xdist workers: about twice the wall time it adds under `-n 2`), on the 2-core AMD
+# EPYC of tests/README.md with the suite's compile cache. Together they are `make test`'s 20
+# minutes (with tests/integrations' second run against tunix's head and each run's start). The
+# summary at the end of a run prints each folder's time beside its budget; a folder over it is a
+# test to merge, shrink or share before one more is added.
+BUDGET_S = {
+    "tests/ops/logits_loss": 440, "tests/ops/lm_head_loss": 170, "tests/ops/core": 50,
+    "tests/ops/logps": 35, "tests/ops": 30, "tests/integrations": 230, "tests/benchmarks": 200,
+    "tests/cli": 180, "tests/rl": 130, "tests/models": 45, "tests/objective": 30,
+    "tests/proof": 15, "tests/sharding": 500, "tests": 25,
+}
+_USED_S: collections.Counter = collections.Counter()
+
+
+def _folder(nodeid: str) -> str:
+    """The longest folder of :data:`BUDGET_S` that holds the test ``nodeid``."""
+    path = nodeid.split("::", 1)[0]
+    return max((f for f in BUDGET_S if path.startswith(f + "/")), key=len, default="tests")
+
+
+def pytest_runtest_logreport(report):
+    _USED_S[_folder(report.nodeid)] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not _USED_S or hasattr(config, "workerinput"):
+        return
+    terminalreporter.section("test time per folder (s, all workers) / budget (tests/conftest.py)")
+    for folder, used in sorted(_USED_S.items(), key=lambda kv: -kv[1]):
+        budget = BUDGET_S[folder]
+        terminalreporter.write_line(f"{folder:28s} {used:7.1f} / {budget:4d}"
+                                    + ("  OVER BUDGET" if used > budget else ""))

@@ -38,14 +38,13 @@ FACTORS = (LOSS_AGG_MODES, KL_MODES, ("grpo", "gspo-token"), (None, 3.0), (False
 
 
 def pytest_generate_tests(metafunc):
-    """The parity grid (``--tunix-grid``): by default every combination against 0.1.7 and
-    every pair of options against the head, whose losses run the same ops and differ in what
-    they return (docs/integrations/tunix.md records the whole product against it too)."""
+    """The parity grid (``--tunix-grid``): by default every pair of options (each level of
+    each factor meets each level of every other; the ops under the losses are one code path
+    whatever the combination), ``full`` every combination (docs/integrations/tunix.md records
+    the whole product against both tunix versions)."""
     if "case" not in metafunc.fixturenames:
         return
     grid = metafunc.config.getoption("--tunix-grid")
-    if grid == "auto":
-        grid = "full" if offers.loss_output() is None else "pairwise"
     cases = list(itertools.product(*FACTORS)) if grid == "full" else pairwise(*FACTORS)
     metafunc.parametrize("case", cases, ids=[grid_id(c) for c in cases])
 
