@@ -41,6 +41,8 @@ if _OWNED_CACHE is not None:  # also where a plugin imported JAX before the envi
     jax.config.update("jax_compilation_cache_dir", _OWNED_CACHE)
     jax.config.update("jax_persistent_cache_min_compile_time_secs",
                       float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                      int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")

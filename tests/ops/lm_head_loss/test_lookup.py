@@ -5,6 +5,7 @@ Oracle: NumPy float64, ``D + sum of each row's cotangents``, rounded to the tabl
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import pytest
 
@@ -14,7 +15,7 @@ from grpo_kernels.ops.lm_head_loss.xla_vocab import DWEIGHT_SLABS
 # XLA:CPU up to jaxlib 0.11 widens a bfloat16 scatter-add (the gradient of ``table[ids]``)
 # to a float32 buffer the table's size; jaxlib 0.12's writes it in place. tied_lookup's
 # saving is a claim about the first (docs/integrations/tunix.md, "The actor update").
-WIDENS_BF16_SCATTER = tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 12)
+WIDENS_BF16_SCATTER = tuple(int(x) for x in jaxlib.__version__.split(".")[:2]) < (0, 12)
 # Not a multiple of DWEIGHT_SLABS: the last slab is narrower than the others.
 VOCAB, HIDDEN = 203, 8
 
