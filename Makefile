@@ -136,7 +136,9 @@ gradcheck-grid: $(STAMP)
 # the GPU image (Python 3.12, no network; it has jax, flax, optax, orbax-checkpoint,
 # tensorstore, torch, triton, tokenizers) lacks for the proof's phases: liger-kernel, the peer;
 # google-tunix 0.1.7 and the six packages its loss, model and learner modules import that the
-# image lacks (the step plan's tunix phase; 2.4 MB in all). And, for the step plan's A/B,
+# image lacks (the step plan's tunix phase; 2.4 MB in all); tunix's development head as a wheel
+# from the vendored snapshot (.whl/head, for the tunix plan; gpu-proof installs it apart, in
+# .whl/site-head, where that plan's phases put it first). And, for the step plan's A/B,
 # Qwen2.5's tokenizer from PROOF_TOKENIZER when that folder exists (the run reads it from
 # .whl/qwen2.5-tokenizer; without it the A/B phase is skipped with that reason).
 PROOF_WHEELS := liger-kernel==0.8.5 google-tunix==0.1.7 clu==0.0.12 dill==0.4.1 \
@@ -149,17 +151,24 @@ proof-wheels:
 	if [ -f $(PROOF_TOKENIZER)/tokenizer.json ]; then mkdir -p .whl/qwen2.5-tokenizer && \
 		cp $(PROOF_TOKENIZER)/tokenizer.json $(PROOF_TOKENIZER)/tokenizer_config.json \
 		.whl/qwen2.5-tokenizer/; fi
+	if [ -f $(TUNIX_HEAD_TGZ) ]; then tmp=$$(mktemp -d) && tar -xzf $(TUNIX_HEAD_TGZ) -C $$tmp && \
+		rm -rf .whl/head && $(PYTHON) -m pip wheel --quiet --disable-pip-version-check --no-deps \
+		-w .whl/head $$tmp/google-tunix-* && rm -rf $$tmp; fi
 
 # There, in the checkout (with .whl carried): the project without its dependencies, the
 # wheels into .whl/site, then every phase (under 8 minutes on an H100).
 # `make gpu-proof PROOF_OUT=$$OUT`; `PROOF_ARGS="--plan layouts"` for the GPU kernel designs'
-# A/B and sweeps instead, `PROOF_ARGS="--plan step"` for training steps.
+# A/B and sweeps instead, `PROOF_ARGS="--plan step"` for training steps, `PROOF_ARGS="--plan
+# tunix"` for tunix's development head beside ours.
 PROOF_OUT ?= proof-out
 PROOF_ARGS ?=
 gpu-proof:
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation --no-index -e .
 	if ls .whl/*.whl >/dev/null 2>&1; then $(PYTHON) -m pip install --quiet --disable-pip-version-check \
 		--no-index --no-deps --no-compile --upgrade --target .whl/site .whl/*.whl; fi
+	if ls .whl/head/*.whl >/dev/null 2>&1; then $(PYTHON) -m pip install --quiet \
+		--disable-pip-version-check --no-index --no-deps --no-compile --upgrade \
+		--target .whl/site-head .whl/head/*.whl; fi
 	PYTHONPATH="$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m grpo_kernels.cli.main proof --out $(PROOF_OUT) $(PROOF_ARGS)
 
 clean:

@@ -6,6 +6,7 @@ plus the wheels of ``make proof-wheels``; ``make gpu-proof`` does both)::
     grpo-kernels proof --out DIR              # the issues' shapes, under 8 minutes on an H100
     grpo-kernels proof --out DIR --plan layouts   # the GPU kernel designs' A/B and sweeps
     grpo-kernels proof --out DIR --plan step  # training steps (415 s on an H100)
+    grpo-kernels proof --out DIR --plan tunix # tunix's development head, chunked, beside ours
     grpo-kernels proof --out DIR --dry-run    # every phase at tiny shapes, on any backend
     grpo-kernels proof --out DIR --dry-run --plan step
 
@@ -22,6 +23,9 @@ ours (:mod:`~grpo_kernels.proof.gpu_tunix_step`), the fused head in both ``dweig
 beside Liger's fused loss eager and compiled (its device peak measured with the program
 loaded from a compile cache, so that XLA:GPU's compile-time autotuning is not counted), and a
 short trainer A/B (``grpo-kernels ab --processes per-arm``, ``grpo_kernels/proof/gpu_ab.yaml``).
+The ``tunix`` plan runs the step plan's tunix programs against tunix's development head
+(``--tunix-head``): its update and log-prob pass unchunked and with its own chunking
+(``compute_logps_chunk_size`` 256), beside ours with the adapter's defaults.
 A failing phase is recorded and the next one still runs. ``DIR/proof.log`` gets every phase's
 output; ``DIR/proof.json`` (rewritten after each phase, so a crash keeps what finished) the
 records, the machine, the derived figures and each target met or missed;
@@ -168,6 +172,10 @@ def step_phases(groups: set[str], plan: Plan, head: list[object]
     if "tunix" in groups:
         out += [(f"tunix_{arm}", _script("gpu_tunix_step.py", "--arm", arm, *shape), 150)
                 for arm in plan.tunix_arms]
+        out += [(f"tunixhead_{head_arm(arm, chunk)}",
+                 _script("gpu_tunix_step.py", "--arm", arm, *shape, "--tunix-path", TUNIX_HEAD,
+                         *(["--chunk-size", chunk] if chunk else [])), 150)
+                for arm, chunk in plan.tunix_head_arms]
     if "ab" in groups:
         out.append(("ab", _cli("ab", "--config", ab_config(),
                                "--arms", "logits-reference,fused-xla", "--processes", "per-arm",
@@ -178,10 +186,15 @@ def step_phases(groups: set[str], plan: Plan, head: list[object]
     return out
 
 
+def head_arm(arm: str, chunk: int) -> str:
+    """A tunix-head phase's arm label: ``arm``, with ``-chunkN`` where tunix chunks."""
+    return f"{arm}-chunk{chunk}" if chunk else arm
+
+
 # Placeholders in a phase's argv that run() fills: a scratch folder removed after the run
 # (the A/B's run dirs, whose report and curves are copied into --out; compile caches), the
-# tokenizer (--tokenizer) and --out.
-SCRATCH, TOKENIZER, OUT_DIR = "@SCRATCH@", "@TOKENIZER@", "@OUT@"
+# tokenizer (--tokenizer), --out and tunix's development head (--tunix-head).
+SCRATCH, TOKENIZER, OUT_DIR, TUNIX_HEAD = "@SCRATCH@", "@TOKENIZER@", "@OUT@", "@TUNIX_HEAD@"
 
 
 def ab_config() -> Path:
@@ -251,13 +264,16 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
     tokenizer = args.tokenizer or default_tokenizer(plan)
+    tunix_head = os.path.abspath(args.tunix_head)
     start = time.perf_counter()
     records: list[dict] = []
     with open(out / "proof.log", "w", encoding="utf-8") as log, \
             tempfile.TemporaryDirectory(prefix="proof_") as scratch:
         for i, (name, cmd, limit) in enumerate(todo, 1):
             elapsed = time.perf_counter() - start
-            cmd = _fill(cmd, {SCRATCH: scratch, TOKENIZER: tokenizer, OUT_DIR: str(out)})
+            uses_head = TUNIX_HEAD in cmd
+            cmd = _fill(cmd, {SCRATCH: scratch, TOKENIZER: tokenizer, OUT_DIR: str(out),
+                              TUNIX_HEAD: tunix_head})
             if elapsed > args.budget_s:
                 records.append({"phase": name, "rc": "skipped", "wall_s": 0.0, "argv": cmd,
                                 "rows": [], "reason": f"out of time ({elapsed:.0f} s)"})
@@ -267,6 +283,12 @@ def run(args: argparse.Namespace) -> int:
                                 "rows": [], "reason": f"no tokenizer at {tokenizer!r} (give "
                                 "--tokenizer, or run `make proof-wheels` in a checkout beside "
                                 "../shared/data/qwen2.5-tokenizer)"})
+                continue
+            if uses_head and not os.path.isdir(os.path.join(tunix_head, "tunix")):
+                records.append({"phase": name, "rc": "skipped", "wall_s": 0.0, "argv": cmd,
+                                "rows": [], "reason": f"no tunix under {tunix_head!r} (give "
+                                "--tunix-head, or carry .whl from `make proof-wheels` and run "
+                                "`make gpu-proof`, which installs the head there)"})
                 continue
             rec = run_phase(name, cmd, min(limit, max(10, args.budget_s + 30 - elapsed)), env)
             if name == "ab":
@@ -315,7 +337,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "the same code measured (xla gradcheck, reference memory); layouts: the "
                    "GPU kernel designs' A/B and sweeps; step: training steps (the trainer's "
                    "update per loss arm, tunix's update, the fused head beside Liger, a "
-                   "trainer A/B); dry: = --dry-run. With --dry-run, step runs its own "
+                   "trainer A/B); tunix: tunix's development head's update and log-prob "
+                   "pass, unchunked and chunked at 256, beside ours at the step plan's "
+                   "shape; dry: = --dry-run. With --dry-run, step and tunix run their own "
                    "phases at tiny shapes, the others every op phase")
     p.add_argument("--groups", default=None,
                    help=f"comma-separated subset of {','.join(GROUPS)} or of the step plan's "
@@ -325,6 +349,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the step plan's A/B: a tokenizer directory or GGUF file (default: "
                    ".whl/qwen2.5-tokenizer under the working directory; the dry run: "
                    "SmolLM2's GGUF)")
+    p.add_argument("--tunix-head", default=".whl/site-head", metavar="DIR",
+                   help="the tunix plan: a directory holding tunix's development head "
+                   "(default: .whl/site-head, where `make gpu-proof` installs it; a phase "
+                   "finding none there is skipped with that reason)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="phases that would start after this many seconds are skipped "
                    "(recorded as such)")

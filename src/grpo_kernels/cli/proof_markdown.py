@@ -108,11 +108,26 @@ def _gb(v: Any) -> str:
     return "-" if v is None else f"{v / 1e9:.2f}"
 
 
+def _logps_lines(logps: dict[str, Any], title: str) -> list[str]:
+    """A log-prob pass table (:func:`~grpo_kernels.cli.proof_step.logps_table`), or none."""
+    if not logps:
+        return []
+    return ["", f"| {title} | ms, alone | ms, back to back | time ratio | "
+            "device peak GB | peak ratio | planned temp GB | mean log-prob | "
+            "relative difference |", "|---|---|---|---|---|---|---|---|---|"] + [
+        f"| {arm} | {_fmt(r['median_ms'])} | {_fmt(r['pipelined_ms'])} | "
+        f"{_fmt(r.get('time_ratio'))} | {_gb(r['peak_bytes_in_use'])} | "
+        f"{_fmt(r.get('peak_ratio'))} | {_gb(r.get('temp_bytes'))} | {_fmt(r['mean_logp'])} | "
+        f"{_fmt(r.get('mean_logp_rel_diff'))} |" for arm, r in logps.items()]
+
+
 def step_markdown(fig: dict[str, Any]) -> list[str]:
     """The step plan's tables (empty where its phases did not run)."""
     lines: list[str] = []
     for key, title, base in (("train_step", "trainer update", "logits-reference"),
-                             ("tunix_step", "tunix update", "tunix")):
+                             ("tunix_step", "tunix update", "tunix"),
+                             ("tunix_head_step", "tunix head update",
+                              fig.get("tunix_head_base"))):
         table = fig.get(key) or {}
         if not table:
             continue
@@ -129,15 +144,9 @@ def step_markdown(fig: dict[str, Any]) -> list[str]:
                   f"{_fmt(r['compile_s'])} | {_fmt(r['loss'])} | {_fmt(r['grad_norm'])} | "
                   f"{_fmt(r.get('loss_ok'))} | {_fmt(r.get('grad_norm_ok'))} |"
                   for arm, r in table.items()]
-    logps = fig.get("tunix_logps") or {}
-    if logps:
-        lines += ["", "| tunix log-prob pass | ms, alone | ms, back to back | time ratio | "
-                  "device peak GB | peak ratio | mean log-prob | relative difference |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {arm} | {_fmt(r['median_ms'])} | {_fmt(r['pipelined_ms'])} | "
-                  f"{_fmt(r.get('time_ratio'))} | {_gb(r['peak_bytes_in_use'])} | "
-                  f"{_fmt(r.get('peak_ratio'))} | {_fmt(r['mean_logp'])} | "
-                  f"{_fmt(r.get('mean_logp_rel_diff'))} |" for arm, r in logps.items()]
+    for key, title in (("tunix_logps", "tunix log-prob pass"),
+                       ("tunix_head_logps", "tunix head log-prob pass")):
+        lines += _logps_lines(fig.get(key) or {}, title)
     peer = fig.get("head_peer") or {}
     if peer.get("ours") or peer.get("liger"):
         lines += ["", "| fused head vs Liger | median ms | planned temp GB | device / torch "

@@ -48,6 +48,9 @@ class Plan:
                                    "fused-xla", "fused-xla-chunk2048", "fused-xla-vocab",
                                    "fused-pallas")
     tunix_arms: tuple[str, ...] = ("tunix", "fused-xla", "logps-tunix", "logps-ours")
+    # The same program on tunix's development head (``--tunix-head``): (arm, the head's
+    # chunk size for tunix's own arms, 0 for unchunked or ours).
+    tunix_head_arms: tuple[tuple[str, int], ...] = ()
     # The trainer's A/B (proof/gpu_ab.yaml): steps per arm and --set overrides.
     ab_steps: int = 3
     ab_sets: tuple[str, ...] = ()
@@ -89,9 +92,21 @@ DRY_STEP = dataclasses.replace(
              "model.random.num_kv_heads=2", "model.random.head_dim=16",
              "model.random.vocab_size=null", "rollout.batch_size=4", "rollout.num_generations=2",
              "rollout.max_new_tokens=6", "train.micro_batch_size=4"))
-PLANS = {p.name: p for p in (REAL, SHORT, LAYOUTS, STEP, DRY)}
+# tunix's development head at the step plan's shape: its update and log-prob pass unchunked
+# and with its own chunking at 256 positions, against ours with the adapter's defaults.
+# The model without its head (no-head) is the floor under both; fused-xla-tokens the adapter's
+# faster dweight mode.
+TUNIX_HEAD_ARMS = (("tunix", 0), ("tunix", 256), ("fused-xla", 0), ("fused-xla-tokens", 0),
+                   ("no-head", 0), ("logps-tunix", 0), ("logps-tunix", 256), ("logps-ours", 0),
+                   ("logps-no-head", 0))
+TUNIX = dataclasses.replace(STEP, name="tunix", groups=("env", "tunix"), tunix_arms=(),
+                            tunix_head_arms=TUNIX_HEAD_ARMS)
+DRY_TUNIX = dataclasses.replace(
+    DRY_STEP, name="dry-tunix", groups=("env", "tunix"), tunix_arms=(),
+    tunix_head_arms=tuple((arm, 8 if chunk else 0) for arm, chunk in TUNIX_HEAD_ARMS))
+PLANS = {p.name: p for p in (REAL, SHORT, LAYOUTS, STEP, TUNIX, DRY)}
 # --dry-run --plan NAME: the plan's tiny twin (DRY for every plan without one).
-DRY_PLANS = {"step": DRY_STEP}
+DRY_PLANS = {"step": DRY_STEP, "tunix": DRY_TUNIX}
 
 
 def plan_of(name: str, dry_run: bool) -> Plan:

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo_kernels.cli.proof_markdown import to_markdown
-from grpo_kernels.cli.proof_step import (_ratio, _rows, _target, _variant, head_peer,
+from grpo_kernels.cli.proof_step import (_ratio, _rows, _target, _variant, chunked_arm,
+                                         head_peer,
                                          logps_table, step_table, step_targets)
 
 SCHEMA_VERSION = 1
@@ -157,6 +158,10 @@ def figures(records: list[dict]) -> dict[str, Any]:
     fig["train_step"] = step_table(records, "train_", "logits-reference")
     fig["tunix_step"] = step_table(records, "tunix_", "tunix")
     fig["tunix_logps"] = logps_table(records)
+    fig["tunix_head_base"] = chunked_arm(records, "tunixhead_", "tunix")
+    fig["tunix_head_step"] = step_table(records, "tunixhead_", fig["tunix_head_base"] or "")
+    fig["tunix_head_logps"] = logps_table(records, "tunixhead_",
+                                          chunked_arm(records, "tunixhead_", "logps-tunix") or "")
     fig["head_peer"] = head_peer(records, fig["memory"])
     for phase, rows in _rows(records, "compile_head_").items():
         for row in rows:
@@ -276,7 +281,8 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
                  for i in ("reference", "xla"))
     saving = None if ref is None or ours is None else ref - ours
     peer = fig.get("head_peer") or {}
-    step_plan = any(fig.get(k) for k in ("train_step", "tunix_step", "tunix_logps", "ab")) or bool(
+    step_plan = any(fig.get(k) for k in ("train_step", "tunix_step", "tunix_logps",
+                                         "tunix_head_step", "tunix_head_logps", "ab")) or bool(
         peer.get("ours") or peer.get("liger"))
     if not step_plan:  # the op plans' head target (unmeasured: None, with the reason)
         out.append(_target("fused head peak saving vs reference (bytes)", saving,

@@ -12,6 +12,11 @@ MAX_FUSED_STEP_TIME = 0.8
 MAX_FUSED_STEP_PEAK = 0.5
 MAX_PALLAS_STEP_TIME = 0.9
 MAX_HEAD_TIME_OVER_LIGER_COMPILED = 0.5
+# The tunix plan's: ours with the adapter's defaults against tunix's development head with its
+# own chunking (the plan's chunked arm: 256 positions), update and log-prob pass (device peak,
+# time back to back).
+MAX_OURS_OVER_CHUNKED_PEAK = 0.5
+MAX_OURS_OVER_CHUNKED_TIME = 1.0
 # First-step agreement of an arm with the baseline arm: gradcheck's bfloat16 gates
 # (cli.gradcheck.DEFAULT_TOLERANCES), the loss's absolute + relative and the gradient norm's
 # relative (dlogits_rtol).
@@ -55,22 +60,33 @@ def step_table(records: list[dict], prefix: str, baseline: str) -> dict[str, Any
     return out
 
 
-def logps_table(records: list[dict]) -> dict[str, Any]:
-    """The log-prob pass rows (``op == "tunix-logps"``) by arm, with the time and peak ratios
-    to tunix's pass and the relative difference of the mean log-prob."""
+def logps_table(records: list[dict], prefix: str = "tunix_",
+                baseline: str = "logps-tunix") -> dict[str, Any]:
+    """The log-prob pass rows (``op == "tunix-logps"``) of the phases named ``prefix + arm``,
+    by arm, with the time and peak ratios to ``baseline``'s pass and the relative difference
+    of the mean log-prob."""
     out = {}
-    for phase, rows in _rows(records, "tunix_").items():
+    for phase, rows in _rows(records, prefix).items():
         if rows and rows[0].get("op") == "tunix-logps":
-            out[rows[0]["arm"]] = {k: rows[0].get(k) for k in (
+            out[phase[len(prefix):]] = {k: rows[0].get(k) for k in (
                 "median_ms", "pipelined_ms", "peak_bytes_in_use", "temp_bytes", "mean_logp")}
-    base = out.get("logps-tunix")
+    base = out.get(baseline)
     for r in out.values():
         if base is not None:
             r["time_ratio"] = _ratio(r["pipelined_ms"], base["pipelined_ms"])
             r["peak_ratio"] = _ratio(r["peak_bytes_in_use"], base["peak_bytes_in_use"])
-            r["mean_logp_rel_diff"] = abs(r["mean_logp"] - base["mean_logp"]) / max(
-                abs(base["mean_logp"]), 1e-30)
+            if r["mean_logp"] is not None:  # None: the no-head floor, which has none
+                r["mean_logp_rel_diff"] = abs(r["mean_logp"] - base["mean_logp"]) / max(
+                    abs(base["mean_logp"]), 1e-30)
     return out
+
+
+def chunked_arm(records: list[dict], prefix: str, arm: str) -> str | None:
+    """The label of the first phase ``prefix + arm + "-chunkN"`` in ``records`` (tunix's own
+    arm ``arm`` with its chunking), or None."""
+    stem = prefix + arm + "-chunk"
+    return next((r["phase"][len(prefix):] for r in records if r["phase"].startswith(stem)),
+                None)
 
 
 def head_peer(records: list[dict], memory: dict[str, Any]) -> dict[str, Any]:
@@ -113,15 +129,26 @@ def step_targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
             what = "time, back to back" if key == "time_ratio" else "device peak"
             out.append(_target(f"update step {arm} / logits-reference {what}", v,
                                f"<= {wanted}", None if v is None else v <= wanted))
-    for table, base in ((train, "logits-reference"), (fig.get("tunix_step", {}), "tunix")):
+    for table, base in ((train, "logits-reference"), (fig.get("tunix_step", {}), "tunix"),
+                        (fig.get("tunix_head_step", {}), fig.get("tunix_head_base"))):
         for arm, r in table.items():
-            if arm == base or "loss_ok" not in r:
+            if arm == base or "loss_ok" not in r or arm == "no-head":  # a floor, not a loss
                 continue
             out.append(_target(f"first step loss, {arm} vs {base}", r["loss_abs_diff"],
                                f"<= {STEP_LOSS_ATOL} + {STEP_LOSS_RTOL}|loss|", r["loss_ok"]))
             out.append(_target(f"first step gradient norm, {arm} vs {base} (relative)",
                                r["grad_norm_rel_diff"], f"<= {STEP_GRAD_NORM_RTOL}",
                                r["grad_norm_ok"]))
+    for key, ours, what in (("tunix_head_step", "fused-xla", "update"),
+                            ("tunix_head_logps", "logps-ours", "log-prob pass")):
+        r = (fig.get(key) or {}).get(ours) or {}
+        base = fig.get("tunix_head_base") or ""
+        for ratio, wanted, label in (("peak_ratio", MAX_OURS_OVER_CHUNKED_PEAK, "device peak"),
+                                     ("time_ratio", MAX_OURS_OVER_CHUNKED_TIME,
+                                      "time, back to back")):
+            if r.get(ratio) is not None:
+                out.append(_target(f"tunix head {what}: ours / {base} {label}",
+                                   r[ratio], f"<= {wanted}", r[ratio] <= wanted))
     peer = fig.get("head_peer", {})
     for name, v in sorted(peer.get("ours", {}).items()):
         if v.get("peak_over_liger") is not None:
