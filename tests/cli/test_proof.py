@@ -8,6 +8,7 @@ a GPU (device memory_stats, the Liger peers) skipped with their reason.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -373,6 +374,37 @@ def test_dry_run_records_every_phase(tmp_path):
 
 
 STEP_RUN = RESULTS / "gpu_proof_step_h100_2026-11-27.json"
+
+
+def test_the_tunix_plan_runs_the_head_beside_ours_or_says_why_not(tmp_path, monkeypatch):
+    from grpo_kernels.proof import gpu_tunix_step
+    plan = proof_plans.TUNIX
+    todo = proof.phases(set(plan.groups), plan)
+    names = [n for n, _, _ in todo]
+    assert names[:3] == ["nvidia-smi", "versions", "copy_bandwidth"]
+    assert names[3:] == [f"tunixhead_{proof.head_arm(a, c)}" for a, c in plan.tunix_head_arms]
+    assert {"tunixhead_tunix-chunk256", "tunixhead_logps-tunix-chunk256", "tunixhead_fused-xla",
+            "tunixhead_logps-ours", "tunixhead_no-head"} <= set(names)
+    (tmp_path / "tunix").mkdir()
+    for name, argv, _ in todo[3:]:
+        assert argv[argv.index("--tunix-path") + 1] == proof.TUNIX_HEAD
+        args = gpu_tunix_step.parse_args(proof._fill(argv, {proof.TUNIX_HEAD: str(tmp_path)})[3:])
+        assert args.chunk_size == (256 if "chunk256" in name else 0)
+    assert proof.plan_of("tunix", True) is proof_plans.DRY_TUNIX
+    assert [proof.head_arm(a, c) for a, c in proof_plans.DRY_TUNIX.tunix_head_arms] == [
+        n[len("tunixhead_"):].replace("chunk256", "chunk8") for n in names[3:]]
+    # Without the head where --tunix-head points, each of its phases is skipped with the reason.
+    every = proof.phases
+    monkeypatch.setattr(proof, "phases", lambda groups, plan: [
+        (n, a, t) for n, a, t in every(groups, plan) if n.startswith("tunixhead_")])
+    out = tmp_path / "out"
+    rc = proof.run(argparse.Namespace(plan="tunix", dry_run=True, groups=None, out=str(out),
+                                      tokenizer=None, tunix_head=str(tmp_path / "none"),
+                                      budget_s=60.0))
+    report = json.loads((out / "proof.json").read_text())
+    assert rc == 0 and len(report["phases"]) == len(plan.tunix_head_arms)
+    assert all(p["rc"] == "skipped" and "no tunix under" in p["reason"]
+               for p in report["phases"])
 
 
 def test_the_step_plan_and_its_dry_twin():

@@ -38,6 +38,11 @@ def test_the_micro_batch_is_a_trainer_batch_drawn_from_the_seed():
     (gpu_tunix_step, ["--arm", "tunix", "--model", "tiny", "--layers", "3"],
      "--layers must be in [1, 2] for tiny"),
     (gpu_tunix_step, ["--arm", "tunix", "--iters", "0"], "--iters must be at least 1"),
+    (gpu_tunix_step, ["--arm", "fused-xla", "--chunk-size", "8"],
+     "--chunk-size is tunix's option: arm 'fused-xla' is ours"),
+    (gpu_tunix_step, ["--arm", "tunix", "--chunk-size", "-1"], "--chunk-size must be at least 0"),
+    (gpu_tunix_step, ["--arm", "tunix", "--tunix-path", "/nonexistent"],
+     "--tunix-path '/nonexistent' holds no tunix package"),
     (device_memory, ["--op", "logits", "--impl", "xla", "--batch", "1", "--time", "2",
                      "--vocab", "8", "--dweight", "vocab"], "--dweight and --chunk-tokens are "
      "options of --op lm_head --impl xla"),
@@ -49,6 +54,44 @@ def test_bad_arguments_name_the_flag(capsys, script, argv, message):
     with pytest.raises(SystemExit) as e:
         (script.main if script is device_memory else script.parse_args)(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_tunix_arms_agree_on_the_installed_tunix(capsys):
+    """tunix's update unchunked and chunked (the development head only; 0.1.7 refuses the
+    chunk with a reason), ours, and the no-head floor, on the tiny model: one first loss for
+    the losses, one mean log-prob for the passes. Run against the head by make test-tunix-head."""
+    import jax
+
+    # tunix's own losses mix bool and int32 arrays (tests/integrations/conftest.py)
+    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+        _tunix_arms_agree(capsys)
+
+
+def _tunix_arms_agree(capsys):
+    import json
+
+    small = ["--model", "tiny", "--layers", "1", "--rows", "2", "--prompt", "4",
+             "--completion", "8", "--iters", "1", "--warmup", "0"]
+    head = gpu_tunix_step.tunix_version() == "head"
+    if not head:
+        assert gpu_tunix_step.main(["--arm", "tunix", "--chunk-size", "4", *small]) == 2
+        assert "needs tunix's development head" in capsys.readouterr().err
+    arms = [("tunix", 0), ("fused-xla", 0), ("no-head", 0), ("logps-tunix", 0),
+            ("logps-ours", 0)] + ([("tunix", 4), ("logps-tunix", 4)] if head else [])
+    rows = {}
+    for arm, chunk in arms:
+        assert gpu_tunix_step.main(["--arm", arm, "--chunk-size", str(chunk), *small]) == 0
+        rows[arm, chunk] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    base, logps = rows["tunix", 0], rows["logps-tunix", 0]
+    assert {r["tunix"] for r in rows.values()} == {"head" if head else "0.1.7"}
+    for key, r in rows.items():
+        if key[0] in ("tunix", "fused-xla"):
+            assert r["loss"] == pytest.approx(base["loss"], rel=1e-5, abs=1e-5), key
+            assert r["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-2), key
+        elif key[0].startswith("logps-"):
+            assert r["mean_logp"] == pytest.approx(logps["mean_logp"], rel=1e-5), key
+    floor = rows["no-head", 0]
+    assert np.isfinite(floor["loss"]) and abs(floor["loss"]) < abs(base["loss"])
 
 
 def test_every_train_arm_names_a_trainer_arm_and_its_options():
