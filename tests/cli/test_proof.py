@@ -304,11 +304,31 @@ def test_the_proof_path_needs_no_trainer_dependency(argv):
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def test_a_phase_in_process_is_its_module_and_leaves_no_settings_behind(tmp_path):
+    import jax
+    step = proof._script("gpu_train_step.py", "--arm", "fused-xla")
+    assert proof.in_process_main(step).__module__ == "grpo_kernels.proof.gpu_train_step"
+    assert proof.in_process_main(proof._cli("bench")).__module__ == "grpo_kernels.cli.main"
+    for own in (["nvidia-smi"], [sys.executable, "-c", "pass"],
+                [*step, "--tunix-path", str(tmp_path)]):  # another tunix: a process of its own
+        assert proof.in_process_main(own) is None
+    cache, env = jax.config.jax_compilation_cache_dir, dict(os.environ)
+    cmd = proof._script("device_memory.py", "--op", "lm_head", "--impl", "xla", "--batch", 1,
+                        "--time", 4, "--hidden", 8, "--vocab", 16, "--compile-cache",
+                        str(tmp_path / "cache"), "--buffer-report", str(tmp_path / "b.txt"))
+    rec = proof.run_phase_in_process("memory", cmd, proof.in_process_main(cmd))
+    assert rec["rc"] == 3 and "skipped" in rec["stderr"]  # no memory_stats on the CPU
+    assert jax.config.jax_compilation_cache_dir == cache and dict(os.environ) == env
+    bad = proof.run_phase_in_process("bad", proof._cli("bench", "--impl", "nope"),
+                                     proof.in_process_main(proof._cli("bench")))
+    assert bad["rc"] == 2 and "--impl" in bad["stderr"]
+
+
 @pytest.mark.slow
 def test_dry_run_records_every_phase(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-m", "grpo_kernels.cli.main", "proof", "--dry-run",
-                        "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                        "--in-process", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads((tmp_path / "proof.json").read_text())
@@ -478,7 +498,7 @@ def test_report_of_the_step_h100_run():
 def test_dry_run_of_the_step_plan(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-m", "grpo_kernels.cli.main", "proof", "--dry-run",
-                        "--plan", "step", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                        "--in-process", "--plan", "step", "--out", str(tmp_path)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads((tmp_path / "proof.json").read_text())

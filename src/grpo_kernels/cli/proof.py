@@ -37,6 +37,7 @@ as well as from a checkout.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -45,6 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 from grpo_kernels.cli import proof_report
 from grpo_kernels.cli.proof_plans import GROUPS, PLANS, REAL, STEP_GROUPS, Plan, plan_of
@@ -250,6 +252,58 @@ def run_phase(name: str, cmd: list[str], limit: float, env: dict[str, str]) -> d
             "rows": _json_rows(stdout), "stdout": stdout, "stderr": stderr}
 
 
+# jax settings a phase module may change for its own process (its compile cache), restored
+# after each phase run in this process.
+_PHASE_CONFIG = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                 "jax_persistent_cache_min_entry_size_bytes", "jax_enable_x64")
+
+
+def in_process_main(cmd: list[str]) -> Callable[[list[str]], Any] | None:
+    """The ``main(argv)`` that runs phase ``cmd`` in this process, or None where it needs its
+    own: a command other than ``python -m grpo_kernels...``, or one that puts another tunix
+    first on the import path (``--tunix-path``: modules already imported would not change)."""
+    if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m" or "--tunix-path" in cmd:
+        return None
+    if cmd[2] == "grpo_kernels.cli.main":
+        from grpo_kernels.cli.main import main
+        return main
+    if cmd[2].startswith("grpo_kernels.proof."):
+        return importlib.import_module(cmd[2]).main
+    return None
+
+
+def run_phase_in_process(name: str, cmd: list[str], main: Callable[[list[str]], Any]) -> dict:
+    """One phase through its module's ``main(argv)`` in this process, output captured; its
+    record as :func:`run_phase`'s (no time limit). The environment and the jax settings of
+    :data:`_PHASE_CONFIG` are restored afterwards."""
+    import contextlib
+    import io
+
+    import jax
+
+    saved_env, saved = dict(os.environ), {k: getattr(jax.config, k) for k in _PHASE_CONFIG}
+    out, err = io.StringIO(), io.StringIO()
+    t0 = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(cmd[3:])
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception as e:  # noqa: BLE001 - a failing phase is recorded, as its process's would be
+        import traceback
+        err.write(traceback.format_exc())
+        rc = 1
+        del e
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        for k, v in saved.items():
+            jax.config.update(k, v)
+    stdout = out.getvalue()
+    return {"phase": name, "rc": 0 if rc is None else int(rc), "wall_s": time.perf_counter() - t0,
+            "argv": cmd, "rows": _json_rows(stdout), "stdout": stdout, "stderr": err.getvalue()}
+
+
 def run(args: argparse.Namespace) -> int:
     plan = plan_of(args.plan, args.dry_run)
     groups = set(plan.groups if args.groups is None else args.groups.split(","))
@@ -290,7 +344,9 @@ def run(args: argparse.Namespace) -> int:
                                 "--tunix-head, or carry .whl from `make proof-wheels` and run "
                                 "`make gpu-proof`, which installs the head there)"})
                 continue
-            rec = run_phase(name, cmd, min(limit, max(10, args.budget_s + 30 - elapsed)), env)
+            main = in_process_main(cmd) if getattr(args, "in_process", False) else None
+            rec = (run_phase_in_process(name, cmd, main) if main is not None else
+                   run_phase(name, cmd, min(limit, max(10, args.budget_s + 30 - elapsed)), env))
             if name == "ab":
                 keep_ab_report(rec, out)
             stdout, stderr = rec.pop("stdout"), rec.pop("stderr")
@@ -353,6 +409,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the tunix plan: a directory holding tunix's development head "
                    "(default: .whl/site-head, where `make gpu-proof` installs it; a phase "
                    "finding none there is skipped with that reason)")
+    p.add_argument("--in-process", action="store_true",
+                   help="each of this package's phase modules called in this process (its "
+                   "main(argv), output captured, no time limit) instead of a process of its "
+                   "own: the dry run's plumbing without a Python start and imports per phase "
+                   "(device peaks are then not the phase's own)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="phases that would start after this many seconds are skipped "
                    "(recorded as such)")
