@@ -66,7 +66,8 @@ TUNIX_HEAD := $(VENV)/tunix-head
 TUNIX_TESTS := tests/integrations/test_tunix.py tests/integrations/test_tunix_log_probs.py \
 	tests/integrations/test_tunix_modules.py \
 	"tests/integrations/test_tunix_example.py::test_tunix_llama3_copy_gives_the_same_logits" \
-	"tests/proof/test_gpu_step_scripts.py::test_tunix_arms_agree_on_the_installed_tunix"
+	"tests/proof/test_gpu_step_scripts.py::test_tunix_arms_agree_on_the_installed_tunix" \
+	tests/benchmarks/test_tpu_tunix_iteration.py
 TUNIX_MESH_TESTS := tests/sharding/test_tunix_mesh.py -k "fsdp4xtp2 or placement"
 $(TUNIX_HEAD)/.installed: | $(STAMP)
 	rm -rf $(TUNIX_HEAD) && tmp=$$(mktemp -d) && tar -xzf $(TUNIX_HEAD_TGZ) -C $$tmp && \

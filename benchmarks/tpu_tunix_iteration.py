@@ -1,0 +1,227 @@
+"""A tunix GRPO iteration's loss work compiled for a TPU, tunix's own chunking beside ours.
+
+    PYTHONPATH=.venv/tunix-head python3 benchmarks/tpu_tunix_iteration.py \\
+        --heads qwen3-1.7b,qwen3-8b --time 8192,32768 --generations v5e,v6e
+
+What a tunix user on a TPU chooses between: tunix's development head (``make
+test-tunix-head`` installs it in ``.venv/tunix-head``) with its log-prob chunking
+(``compute_logps_chunk_size``, ``--chunks``; 0 is its default, unchunked) and ours with no
+options (``grpo_kernels_fused`` as the adapter registers it; ``patch_log_probs``' pass). Both
+passes of an iteration:
+
+- ``update``: ``jit(value_and_grad)`` of tunix's ``grpo_loss_fn`` (or ours) with respect to
+  the model's parameters, as tunix's trainer differentiates it;
+- ``logps``: the forward-only log-prob pass (the reference model's and the old policy's),
+  tunix's ``compute_per_token_logps`` (or ours).
+
+The model is a tunix ``Qwen3`` with the real head of Qwen3-1.7B (tied to the embedding,
+H = 2,048) or Qwen3-8B (untied, H = 4,096), V = 151,936, bf16, and no decoder layers, so the
+plan is the loss's and the head's; one sequence of ``--prompt`` + ``--time`` tokens. Each row:
+the compile's planned temporaries (``memory_analysis()``), and the compiler's cost analysis
+(flops, bytes accessed) with the roofline time they give at the generation's published peak
+figures (:data:`PEAKS`). XLA's cost analysis counts a loop's body once, whatever its trip
+count, so these are the whole program's only where it has no loop (tunix unchunked; ours where
+T fits one chunk): compare roofline times across arms only there. The last row of each
+(generation, head, T, pass) is a summary: ours over tunix's default and over its best chunk
+setting among those above 0 (the lowest temporaries), in temporaries. Nothing runs on a TPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import inspect
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tpu_compile import _spec, emit, topology, use_libtpu  # noqa: E402
+
+# Published peak figures per chip (Google Cloud's TPU pages, 2026): dense bf16 FLOP/s and HBM
+# bytes/s. v5e: 197 TFLOP/s, 819 GB/s; v6e (Trillium): 918 TFLOP/s, 1,640 GB/s.
+PEAKS = {"v5e": (197e12, 819e9), "v6e": (918e12, 1640e9)}
+# The heads: tunix's Qwen3 preset whose head each is.
+HEADS = {"qwen3-1.7b": "qwen3_1p7b", "qwen3-8b": "qwen3_8b"}
+PASSES = ("update", "logps")
+PAD, EOS = 0, 1
+
+
+def head_model(head: str):
+    """tunix's Qwen3 of ``head``'s preset with no decoder layers, bf16 parameters and compute
+    (the presets' default is float32), abstract."""
+    from flax import nnx
+    from tunix.models.qwen3 import model as qwen3
+
+    config = dataclasses.replace(getattr(qwen3.ModelConfig, HEADS[head])(), num_layers=0,
+                                 dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    return nnx.eval_shape(lambda: qwen3.Qwen3(config, rngs=nnx.Rngs(0)))
+
+
+def roofline_s(flops: float | None, nbytes: float | None, generation: str) -> float | None:
+    """``max(flops / peak FLOP/s, bytes / peak bytes/s)`` with :data:`PEAKS`: the time no
+    program doing that work can beat on the chip."""
+    if flops is None or nbytes is None:
+        return None
+    peak_flops, peak_bw = PEAKS[generation]
+    return max(flops / peak_flops, nbytes / peak_bw)
+
+
+def program(pass_: str, arm: str, model, device, prompt: int, time: int):
+    """``(jitted step, abstract args)`` of ``arm`` (``tunix-chunkN`` or ``ours``)."""
+    from flax import nnx
+    from tunix.rl import algo_core, common
+
+    from grpo_kernels.integrations import tunix as ours
+    from grpo_kernels.proof.shapes import algo_config
+    sh = SingleDeviceSharding(device)
+
+    def s(shape, dtype):
+        return _spec(shape, dtype, sh)
+    chunk = int(arm.removeprefix("tunix-chunk")) if arm != "ours" else 0
+    prompt_ids, completion_ids = s((1, prompt), jnp.int32), s((1, time), jnp.int32)
+    if pass_ == "logps":
+        graphdef, state = nnx.split(model)
+        state = jax.tree.map(lambda x: s(x.shape, x.dtype), state)
+        fn = (functools.partial(common.compute_per_token_logps, chunk_size=chunk)
+              if arm != "ours" else ours.log_probs_function())
+        return jax.jit(lambda st, p, c: fn(graphdef, st, p, c, PAD, EOS)), (
+            state, prompt_ids, completion_ids)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params, rest = (jax.tree.map(lambda x: s(x.shape, x.dtype), part) for part in (params, rest))
+    example = common.TrainExample(
+        prompt_ids=prompt_ids, prompt_mask=s((1, prompt), jnp.int32),
+        completion_ids=completion_ids, completion_mask=s((1, time), jnp.int32),
+        advantages=s((1,), jnp.float32), ref_per_token_logps=s((1, time), jnp.float32),
+        old_per_token_logps=s((1, time), jnp.float32))
+    fn = (functools.partial(algo_core.grpo_loss_fn, compute_logps_chunk_size=chunk)
+          if arm != "ours" else ours.fused_policy_loss)
+    config = algo_config()
+
+    def loss(p, ex):
+        return ours.differentiated(fn(nnx.merge(graphdef, p, rest), ex, config, PAD, EOS))
+    return jax.jit(jax.value_and_grad(loss)), (params, example)
+
+
+def compile_row(step, args, generation: str) -> dict:
+    """``step`` compiled at ``args``: its planned memory (``memory_analysis()``), the
+    compiler's flops and bytes accessed (``cost_analysis()``) and their roofline time, or the
+    compile error's first line."""
+    t0 = time.perf_counter()
+    try:
+        compiled = step.lower(*args).compile()
+    except Exception as e:  # noqa: BLE001 - a compile error is this row's result
+        return {"ok": False, "error": str(e).strip().splitlines()[0][:300]}
+    mem, c = compiled.memory_analysis(), compiled.cost_analysis()
+    c = (c[0] if isinstance(c, (list, tuple)) else c) or {}
+    flops, nbytes = c.get("flops"), c.get("bytes accessed")
+    roof = roofline_s(flops, nbytes, generation)
+    return {"ok": True, "compile_s": round(time.perf_counter() - t0, 2),
+            "argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
+            "temp_bytes": mem.temp_size_in_bytes, "flops": flops, "bytes_accessed": nbytes,
+            "roofline_ms": None if roof is None else 1e3 * roof}
+
+
+def rows(args: argparse.Namespace):
+    """One row per (generation, head, T, pass, arm), then each group's summary."""
+    arms = [f"tunix-chunk{c}" for c in args.chunks] + ["ours"]
+    for gen, head, t, pass_ in itertools.product(args.generations, args.heads, args.time,
+                                                 args.passes):
+        _, devices = topology(gen)
+        model = head_model(head)
+        group = {}
+        for arm in arms:
+            step, a = program(pass_, arm, model, devices[0], args.prompt, t)
+            row = {"op": "tunix-iteration", "generation": gen, "head": head, "time": t,
+                   "prompt": args.prompt, "pass": pass_, "arm": arm,
+                   **compile_row(step, a, gen)}
+            if row["ok"]:
+                group[arm] = row
+            yield row
+        yield summary(gen, head, t, pass_, group)
+
+
+def summary(gen: str, head: str, t: int, pass_: str, group: dict) -> dict:
+    """Ours over tunix's default (chunk 0) and over its best chunked setting (the lowest
+    temporaries among chunks above 0), in planned temporaries."""
+    ours, default = group.get("ours"), group.get("tunix-chunk0")
+    chunked = {a: r for a, r in group.items()
+               if a.startswith("tunix-chunk") and a != "tunix-chunk0"}
+    best = min(chunked, key=lambda a: chunked[a]["temp_bytes"]) if chunked else None
+    out = {"op": "tunix-iteration-summary", "generation": gen, "head": head, "time": t,
+           "pass": pass_, "ok": ours is not None, "best_chunk": best}
+    for name, base in (("default", default), ("best", chunked.get(best))):
+        if ours is not None and base is not None:
+            out[f"temp_over_{name}"] = ours["temp_bytes"] / max(base["temp_bytes"], 1)
+    return out
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return values
+
+
+def _choices(allowed):
+    def parse(text: str) -> list[str]:
+        items = text.split(",")
+        bad = [x for x in items if x not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad} not among {list(allowed)}")
+        return items
+    return parse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 2)[2])
+    p.add_argument("--heads", type=_choices(HEADS), default=list(HEADS),
+                   help=f"comma-separated of {','.join(HEADS)} (default: both)")
+    p.add_argument("--time", type=_ints, default=[8192],
+                   help="comma-separated completion lengths T (default: 8192)")
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default: 128)")
+    p.add_argument("--chunks", type=_ints, default=[0, 128, 256, 512, 1024],
+                   help="tunix's compute_logps_chunk_size settings (default: 0,128,256,512,1024)")
+    p.add_argument("--passes", type=_choices(PASSES), default=list(PASSES),
+                   help="update, logps or both (default: both)")
+    p.add_argument("--generations", type=_choices(PEAKS), default=list(PEAKS),
+                   help=f"comma-separated of {','.join(PEAKS)} (default: both)")
+    p.add_argument("--libtpu", default=None, help="libtpu.so (default: $TPU_LIBRARY_PATH, "
+                   "then .venv/libtpu)")
+    p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    args = p.parse_args(argv)
+    if args.prompt < 1 or any(t < 1 for t in args.time):
+        p.error("--prompt and --time must be at least 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        from tunix.rl import common
+    except ImportError as e:
+        print(f"tpu_tunix_iteration: needs google-tunix ({e})", file=sys.stderr)
+        return 2
+    if "chunk_size" not in inspect.signature(common.compute_per_token_logps).parameters:
+        print("tpu_tunix_iteration: needs tunix's development head, whose log-prob pass "
+              "chunks (make test-tunix-head installs it: PYTHONPATH=.venv/tunix-head)",
+              file=sys.stderr)
+        return 2
+    if not use_libtpu(args.libtpu, "tpu_tunix_iteration"):
+        return 2
+    return emit(rows(args), args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""benchmarks/tpu_tunix_iteration.py: tunix's chunked log-prob passes beside ours, compiled for
+a TPU. Against tunix's development head (make test-tunix-head runs this file with it first on
+the path) it compiles a short case; against 0.1.7, which has no chunking, it says what it
+needs."""
+
+import importlib.util
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import tpu_tunix_iteration as tti  # noqa: E402
+from tpu_compile import libtpu_path  # noqa: E402
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("tunix") is None,
+                                reason="google-tunix is not installed (the dev extras install it)")
+
+
+def test_roofline_is_the_larger_of_the_two_times():
+    flops, bw = tti.PEAKS["v6e"]
+    assert tti.roofline_s(flops, bw, "v6e") == 1.0
+    assert tti.roofline_s(2 * flops, bw, "v6e") == 2.0
+    assert tti.roofline_s(flops, 3 * bw, "v6e") == 3.0
+    assert tti.roofline_s(None, bw, "v6e") is None
+
+
+def test_summary_compares_with_the_default_and_the_lowest_chunked_plan():
+    group = {"tunix-chunk0": {"temp_bytes": 1000}, "tunix-chunk128": {"temp_bytes": 300},
+             "tunix-chunk256": {"temp_bytes": 200}, "ours": {"temp_bytes": 50}}
+    s = tti.summary("v6e", "qwen3-8b", 8192, "update", group)
+    assert s["best_chunk"] == "tunix-chunk256" and s["ok"]
+    assert s["temp_over_default"] == 0.05 and s["temp_over_best"] == 0.25
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--heads", "qwen3-4b"], "not among"), (["--chunks", "-1"], "non-negative"),
+    (["--time", "0"], "--prompt and --time must be at least 1"),
+    (["--generations", "v4"], "not among")])
+def test_bad_arguments_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        tti.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(libtpu_path() is None, reason="no libtpu.so: `make .venv/.installed-dev`")
+def test_a_short_case_compiles_or_the_script_says_it_needs_the_head():
+    import json
+    import os
+
+    from tunix.rl import common
+    head = "chunk_size" in inspect.signature(common.compute_per_token_logps).parameters
+    path = [os.environ.get("PYTHONPATH", ""), str(ROOT / "src")]  # the head stays first
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/tpu_tunix_iteration.py"),
+                        "--heads", "qwen3-1.7b", "--time", "256", "--chunks", "0,128",
+                        "--passes", "logps", "--generations", "v6e"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    if not head:
+        assert r.returncode == 2 and "needs tunix's development head" in r.stderr
+        return
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row.get("arm") for row in rows] == ["tunix-chunk0", "tunix-chunk128", "ours", None]
+    for row in rows[:3]:
+        assert row["ok"] and row["temp_bytes"] > 0 and row["flops"] > 0
+    # ours holds no [T, V] float32 logits; tunix's unchunked pass does
+    assert rows[2]["temp_bytes"] < rows[0]["temp_bytes"]
+    assert rows[3]["temp_over_default"] < 1
