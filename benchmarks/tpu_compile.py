@@ -462,7 +462,17 @@ def tunix_loss_fn(arm: str, generation: str):
 
 def tunix_step(arm: str, generation: str, device, model, rows: int, prompt: int,
                completion: int):
-    """``(jitted value_and_grad, abstract args)`` of one tunix update on ``device``."""
+    """``(jitted value_and_grad, abstract args)`` of one tunix update on ``device`` with the
+    policy loss of ``arm``."""
+    return tunix_update(tunix_loss_fn(arm, generation), device, model, rows, prompt,
+                        completion)
+
+
+def tunix_update(fn, device, model, rows: int, prompt: int, completion: int):
+    """``(jitted value_and_grad, abstract args)`` of one tunix update on ``device``: the tunix
+    policy loss ``fn`` (model, example, config, pad, eos) differentiated with respect to
+    ``model``'s parameters, as tunix's trainer does, on an abstract ``TrainExample`` of ``rows``
+    x (``prompt`` + ``completion``) tokens."""
     from flax import nnx
     from tunix.rl import common
 
@@ -482,7 +492,6 @@ def tunix_step(arm: str, generation: str, device, model, rows: int, prompt: int,
         ref_per_token_logps=s((rows, completion), F32),
         old_per_token_logps=s((rows, completion), F32))
     config = algo_config()
-    fn = tunix_loss_fn(arm, generation)
 
     def loss(p, ex):
         return ours.differentiated(fn(nnx.merge(graphdef, p, rest), ex, config, PAD, EOS))

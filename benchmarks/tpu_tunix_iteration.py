@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import inspect
 import itertools
 import sys
 import time
@@ -42,7 +41,8 @@ import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tpu_compile import _spec, emit, topology, use_libtpu  # noqa: E402
+from tpu_compile import (PAD, EOS, _list, _spec, emit, topology, tunix_update,  # noqa: E402
+                         use_libtpu)
 
 # Published peak figures per chip (Google Cloud's TPU pages, 2026): dense bf16 FLOP/s and HBM
 # bytes/s. v5e: 197 TFLOP/s, 819 GB/s; v6e (Trillium): 918 TFLOP/s, 1,640 GB/s.
@@ -50,7 +50,6 @@ PEAKS = {"v5e": (197e12, 819e9), "v6e": (918e12, 1640e9)}
 # The heads: tunix's Qwen3 preset whose head each is.
 HEADS = {"qwen3-1.7b": "qwen3_1p7b", "qwen3-8b": "qwen3_8b"}
 PASSES = ("update", "logps")
-PAD, EOS = 0, 1
 
 
 def head_model(head: str):
@@ -74,39 +73,24 @@ def roofline_s(flops: float | None, nbytes: float | None, generation: str) -> fl
 
 
 def program(pass_: str, arm: str, model, device, prompt: int, time: int):
-    """``(jitted step, abstract args)`` of ``arm`` (``tunix-chunkN`` or ``ours``)."""
+    """``(jitted step, abstract args)`` of ``arm`` (``tunix-chunkN`` or ``ours``); the update
+    is :func:`tpu_compile.tunix_update`'s program, on one row."""
     from flax import nnx
     from tunix.rl import algo_core, common
 
     from grpo_kernels.integrations import tunix as ours
-    from grpo_kernels.proof.shapes import algo_config
-    sh = SingleDeviceSharding(device)
-
-    def s(shape, dtype):
-        return _spec(shape, dtype, sh)
     chunk = int(arm.removeprefix("tunix-chunk")) if arm != "ours" else 0
-    prompt_ids, completion_ids = s((1, prompt), jnp.int32), s((1, time), jnp.int32)
-    if pass_ == "logps":
-        graphdef, state = nnx.split(model)
-        state = jax.tree.map(lambda x: s(x.shape, x.dtype), state)
-        fn = (functools.partial(common.compute_per_token_logps, chunk_size=chunk)
-              if arm != "ours" else ours.log_probs_function())
-        return jax.jit(lambda st, p, c: fn(graphdef, st, p, c, PAD, EOS)), (
-            state, prompt_ids, completion_ids)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params, rest = (jax.tree.map(lambda x: s(x.shape, x.dtype), part) for part in (params, rest))
-    example = common.TrainExample(
-        prompt_ids=prompt_ids, prompt_mask=s((1, prompt), jnp.int32),
-        completion_ids=completion_ids, completion_mask=s((1, time), jnp.int32),
-        advantages=s((1,), jnp.float32), ref_per_token_logps=s((1, time), jnp.float32),
-        old_per_token_logps=s((1, time), jnp.float32))
-    fn = (functools.partial(algo_core.grpo_loss_fn, compute_logps_chunk_size=chunk)
-          if arm != "ours" else ours.fused_policy_loss)
-    config = algo_config()
-
-    def loss(p, ex):
-        return ours.differentiated(fn(nnx.merge(graphdef, p, rest), ex, config, PAD, EOS))
-    return jax.jit(jax.value_and_grad(loss)), (params, example)
+    if pass_ == "update":
+        fn = (functools.partial(algo_core.grpo_loss_fn, compute_logps_chunk_size=chunk)
+              if arm != "ours" else ours.fused_policy_loss)
+        return tunix_update(fn, device, model, 1, prompt, time)
+    sh = SingleDeviceSharding(device)
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(lambda x: _spec(x.shape, x.dtype, sh), state)
+    fn = (functools.partial(common.compute_per_token_logps, chunk_size=chunk)
+          if arm != "ours" else ours.log_probs_function())
+    return jax.jit(lambda st, p, c: fn(graphdef, st, p, c, PAD, EOS)), (
+        state, _spec((1, prompt), jnp.int32, sh), _spec((1, time), jnp.int32, sh))
 
 
 def compile_row(step, args, generation: str) -> dict:
@@ -131,13 +115,13 @@ def compile_row(step, args, generation: str) -> dict:
 def rows(args: argparse.Namespace):
     """One row per (generation, head, T, pass, arm), then each group's summary."""
     arms = [f"tunix-chunk{c}" for c in args.chunks] + ["ours"]
+    models = {head: head_model(head) for head in args.heads}
     for gen, head, t, pass_ in itertools.product(args.generations, args.heads, args.time,
                                                  args.passes):
         _, devices = topology(gen)
-        model = head_model(head)
         group = {}
         for arm in arms:
-            step, a = program(pass_, arm, model, devices[0], args.prompt, t)
+            step, a = program(pass_, arm, models[head], devices[0], args.prompt, t)
             row = {"op": "tunix-iteration", "generation": gen, "head": head, "time": t,
                    "prompt": args.prompt, "pass": pass_, "arm": arm,
                    **compile_row(step, a, gen)}
@@ -162,40 +146,20 @@ def summary(gen: str, head: str, t: int, pass_: str, group: dict) -> dict:
     return out
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
-    return values
-
-
-def _choices(allowed):
-    def parse(text: str) -> list[str]:
-        items = text.split(",")
-        bad = [x for x in items if x not in allowed]
-        if bad:
-            raise argparse.ArgumentTypeError(f"{bad} not among {list(allowed)}")
-        return items
-    return parse
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 2)[2])
-    p.add_argument("--heads", type=_choices(HEADS), default=list(HEADS),
+    p.add_argument("--heads", type=_list(HEADS), default=list(HEADS),
                    help=f"comma-separated of {','.join(HEADS)} (default: both)")
-    p.add_argument("--time", type=_ints, default=[8192],
+    p.add_argument("--time", type=_list(kind=int), default=[8192],
                    help="comma-separated completion lengths T (default: 8192)")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default: 128)")
-    p.add_argument("--chunks", type=_ints, default=[0, 128, 256, 512, 1024],
+    p.add_argument("--chunks", type=_list(kind=int), default=[0, 128, 256, 512, 1024],
                    help="tunix's compute_logps_chunk_size settings (default: 0,128,256,512,1024)")
-    p.add_argument("--passes", type=_choices(PASSES), default=list(PASSES),
+    p.add_argument("--passes", type=_list(PASSES), default=list(PASSES),
                    help="update, logps or both (default: both)")
-    p.add_argument("--generations", type=_choices(PEAKS), default=list(PEAKS),
+    p.add_argument("--generations", type=_list(PEAKS), default=list(PEAKS),
                    help=f"comma-separated of {','.join(PEAKS)} (default: both)")
     p.add_argument("--libtpu", default=None, help="libtpu.so (default: $TPU_LIBRARY_PATH, "
                    "then .venv/libtpu)")
@@ -203,17 +167,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.prompt < 1 or any(t < 1 for t in args.time):
         p.error("--prompt and --time must be at least 1")
+    if any(c < 0 for c in args.chunks):
+        p.error(f"--chunks must be non-negative, got {args.chunks}")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        from tunix.rl import common
+        from grpo_kernels.integrations.tunix.offers import chunks_log_probs
+        chunked = chunks_log_probs()
     except ImportError as e:
         print(f"tpu_tunix_iteration: needs google-tunix ({e})", file=sys.stderr)
         return 2
-    if "chunk_size" not in inspect.signature(common.compute_per_token_logps).parameters:
+    if not chunked:
         print("tpu_tunix_iteration: needs tunix's development head, whose log-prob pass "
               "chunks (make test-tunix-head installs it: PYTHONPATH=.venv/tunix-head)",
               file=sys.stderr)

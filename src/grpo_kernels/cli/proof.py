@@ -289,11 +289,10 @@ def run_phase_in_process(name: str, cmd: list[str], main: Callable[[list[str]], 
             rc = main(cmd[3:])
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except Exception as e:  # noqa: BLE001 - a failing phase is recorded, as its process's would be
+    except Exception:  # noqa: BLE001 - a failing phase is recorded, as its process's would be
         import traceback
         err.write(traceback.format_exc())
         rc = 1
-        del e
     finally:
         os.environ.clear()
         os.environ.update(saved_env)

@@ -85,12 +85,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def tunix_version() -> str:
     """The tunix imported: ``0.1.7``, or ``head`` where its ``compute_per_token_logps`` has the
-    development head's ``chunk_size``."""
-    import inspect
+    development head's ``chunk_size`` (:func:`~grpo_kernels.integrations.tunix.offers.
+    chunks_log_probs`)."""
+    from grpo_kernels.integrations.tunix.offers import chunks_log_probs
 
-    from tunix.rl import common
-    chunked = "chunk_size" in inspect.signature(common.compute_per_token_logps).parameters
-    return "head" if chunked else "0.1.7"
+    return "head" if chunks_log_probs() else "0.1.7"
 
 
 def policy_loss(arm: str, chunk_size: int = 0):
@@ -153,10 +152,12 @@ def run(args: argparse.Namespace) -> dict:
     from grpo_kernels.integrations import tunix as ours
 
     if args.arm.startswith("logps-"):
-        fn = (functools.partial(common.compute_per_token_logps, chunk_size=args.chunk_size)
-              if args.arm == "logps-tunix" and args.chunk_size
-              else common.compute_per_token_logps if args.arm == "logps-tunix"
-              else ours.log_probs_function())
+        if args.arm == "logps-tunix":
+            fn = common.compute_per_token_logps
+            if args.chunk_size:
+                fn = functools.partial(fn, chunk_size=args.chunk_size)
+        else:
+            fn = ours.log_probs_function()
         full_graph, state = nnx.split(model)
         if args.arm == "logps-no-head":
             step = jax.jit(lambda st, p, c: _completion_hidden(nnx.merge(full_graph, st), p, c))
@@ -206,9 +207,10 @@ def main(argv=None) -> int:
     except ImportError as e:
         print(f"gpu_tunix_step: skipped: needs google-tunix ({e})", file=sys.stderr)
         return gpu_train_step.SKIPPED
-    if args.chunk_size and tunix_version() != "head":
+    version = tunix_version()
+    if args.chunk_size and version != "head":
         print("gpu_tunix_step: --chunk-size needs tunix's development head (--tunix-path); "
-              f"the tunix imported is {tunix_version()}", file=sys.stderr)
+              f"the tunix imported is {version}", file=sys.stderr)
         return 2
     row = run(args)
     print(json.dumps(row), flush=True)

@@ -75,6 +75,15 @@ def model_call_contains(model: Any, name: str) -> bool:
     return call_accepts(model, name)
 
 
+def chunks_log_probs() -> bool:
+    """Whether the installed tunix's ``compute_per_token_logps`` takes the head's
+    ``chunk_size`` (its opt-in chunked pass; 0.1.7 has none). Not cached: the proof's programs
+    read it after putting another tunix first on the import path."""
+    from tunix.rl import common
+
+    return "chunk_size" in parameters(common.compute_per_token_logps)
+
+
 def parameters(fn: Callable) -> tuple[str, ...]:
     """The parameter names of ``fn`` (a jitted function's, through ``__wrapped__``)."""
     return tuple(inspect.signature(fn).parameters)
