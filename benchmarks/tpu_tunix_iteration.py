@@ -72,23 +72,34 @@ def roofline_s(flops: float | None, nbytes: float | None, generation: str) -> fl
     return max(flops / peak_flops, nbytes / peak_bw)
 
 
-def program(pass_: str, arm: str, model, device, prompt: int, time: int):
-    """``(jitted step, abstract args)`` of ``arm`` (``tunix-chunkN`` or ``ours``); the update
-    is :func:`tpu_compile.tunix_update`'s program, on one row."""
+def ours_options(chunk_bytes: int | None, dweight: str | None):
+    """``--ours-chunk-bytes`` / ``--ours-dweight`` as the ``xla`` head's options, or None
+    (ours with no options: the adapter's choice)."""
+    if chunk_bytes is None and dweight is None:
+        return None
+    from grpo_kernels.ops.lm_head_loss.xla_plan import LmHeadBlockSizes
+    return LmHeadBlockSizes(chunk_bytes=chunk_bytes, dweight=dweight or "tokens")
+
+
+def program(pass_: str, arm: str, model, device, prompt: int, time: int, options=None):
+    """``(jitted step, abstract args)`` of ``arm`` (``tunix-chunkN`` or ``ours``; ours on the
+    ``xla`` head with ``options`` where given); the update is
+    :func:`tpu_compile.tunix_update`'s program, on one row."""
     from flax import nnx
     from tunix.rl import algo_core, common
 
     from grpo_kernels.integrations import tunix as ours
     chunk = int(arm.removeprefix("tunix-chunk")) if arm != "ours" else 0
+    given = {} if options is None else {"impl": "xla", "options": options}
     if pass_ == "update":
         fn = (functools.partial(algo_core.grpo_loss_fn, compute_logps_chunk_size=chunk)
-              if arm != "ours" else ours.fused_policy_loss)
+              if arm != "ours" else functools.partial(ours.fused_policy_loss, **given))
         return tunix_update(fn, device, model, 1, prompt, time)
     sh = SingleDeviceSharding(device)
     graphdef, state = nnx.split(model)
     state = jax.tree.map(lambda x: _spec(x.shape, x.dtype, sh), state)
     fn = (functools.partial(common.compute_per_token_logps, chunk_size=chunk)
-          if arm != "ours" else ours.log_probs_function())
+          if arm != "ours" else ours.log_probs_function(**given))
     return jax.jit(lambda st, p, c: fn(graphdef, st, p, c, PAD, EOS)), (
         state, _spec((1, prompt), jnp.int32, sh), _spec((1, time), jnp.int32, sh))
 
@@ -121,7 +132,8 @@ def rows(args: argparse.Namespace):
         _, devices = topology(gen)
         group = {}
         for arm in arms:
-            step, a = program(pass_, arm, models[head], devices[0], args.prompt, t)
+            step, a = program(pass_, arm, models[head], devices[0], args.prompt, t,
+                              ours_options(args.ours_chunk_bytes, args.ours_dweight))
             row = {"op": "tunix-iteration", "generation": gen, "head": head, "time": t,
                    "prompt": args.prompt, "pass": pass_, "arm": arm,
                    **compile_row(step, a, gen)}
@@ -161,6 +173,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="update, logps or both (default: both)")
     p.add_argument("--generations", type=_list(PEAKS), default=list(PEAKS),
                    help=f"comma-separated of {','.join(PEAKS)} (default: both)")
+    p.add_argument("--ours-chunk-bytes", type=int, default=None, metavar="N",
+                   help="ours on the xla head with LmHeadBlockSizes(chunk_bytes=N) (default: "
+                   "ours with no options)")
+    p.add_argument("--ours-dweight", choices=("tokens", "vocab"), default=None,
+                   help="ours on the xla head with this LmHeadBlockSizes.dweight (default: "
+                   "ours with no options; with --ours-chunk-bytes alone: tokens)")
     p.add_argument("--libtpu", default=None, help="libtpu.so (default: $TPU_LIBRARY_PATH, "
                    "then .venv/libtpu)")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
@@ -169,6 +187,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--prompt and --time must be at least 1")
     if any(c < 0 for c in args.chunks):
         p.error(f"--chunks must be non-negative, got {args.chunks}")
+    if args.ours_chunk_bytes is not None and args.ours_chunk_bytes < 1:
+        p.error(f"--ours-chunk-bytes must be at least 1, got {args.ours_chunk_bytes}")
     return args
 
 

@@ -27,6 +27,14 @@ def test_roofline_is_the_larger_of_the_two_times():
     assert tti.roofline_s(None, bw, "v6e") is None
 
 
+def test_ours_options_are_the_xla_heads_or_none():
+    from grpo_kernels.ops.lm_head_loss.xla_plan import LmHeadBlockSizes
+    assert tti.ours_options(None, None) is None
+    assert tti.ours_options(1 << 24, "vocab") == LmHeadBlockSizes(chunk_bytes=1 << 24,
+                                                                  dweight="vocab")
+    assert tti.ours_options(None, "vocab") == LmHeadBlockSizes(dweight="vocab")
+
+
 def test_summary_compares_with_the_default_and_the_lowest_chunked_plan():
     group = {"tunix-chunk0": {"temp_bytes": 1000}, "tunix-chunk128": {"temp_bytes": 300},
              "tunix-chunk256": {"temp_bytes": 200}, "ours": {"temp_bytes": 50}}
@@ -38,7 +46,9 @@ def test_summary_compares_with_the_default_and_the_lowest_chunked_plan():
 @pytest.mark.parametrize("argv, message", [
     (["--heads", "qwen3-4b"], "not among"), (["--chunks", "-1"], "--chunks must be non-negative"),
     (["--time", "0"], "--prompt and --time must be at least 1"),
-    (["--generations", "v4"], "not among")])
+    (["--generations", "v4"], "not among"),
+    (["--ours-chunk-bytes", "0"], "--ours-chunk-bytes must be at least 1"),
+    (["--ours-dweight", "rows"], "invalid choice: 'rows'")])
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
         tti.parse_args(argv)
