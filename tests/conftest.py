@@ -13,7 +13,7 @@ persistent compilation cache in a temporary directory of its own: made by the fi
 process (xdist's controller, before its workers start; they and every subprocess inherit it
 through the environment), removed when that process ends. Nothing survives the run, so each
 run compiles from nothing as CI does. A ``JAX_COMPILATION_CACHE_DIR`` the caller set wins
-(and is left in place).
+(and is left in place): ``make test`` sets one for its three runs and removes it at the end.
 """
 
 import collections

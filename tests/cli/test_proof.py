@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_kernels.cli import proof, proof_plans, proof_report
+from grpo_kernels.cli import proof, proof_plans, proof_report, proof_run
 from grpo_kernels.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -307,20 +307,20 @@ def test_the_proof_path_needs_no_trainer_dependency(argv):
 def test_a_phase_in_process_is_its_module_and_leaves_no_settings_behind(tmp_path):
     import jax
     step = proof._script("gpu_train_step.py", "--arm", "fused-xla")
-    assert proof.in_process_main(step).__module__ == "grpo_kernels.proof.gpu_train_step"
-    assert proof.in_process_main(proof._cli("bench")).__module__ == "grpo_kernels.cli.main"
+    assert proof_run.in_process_main(step).__module__ == "grpo_kernels.proof.gpu_train_step"
+    assert proof_run.in_process_main(proof._cli("bench")).__module__ == "grpo_kernels.cli.main"
     for own in (["nvidia-smi"], [sys.executable, "-c", "pass"],
                 [*step, "--tunix-path", str(tmp_path)]):  # another tunix: a process of its own
-        assert proof.in_process_main(own) is None
+        assert proof_run.in_process_main(own) is None
     cache, env = jax.config.jax_compilation_cache_dir, dict(os.environ)
     cmd = proof._script("device_memory.py", "--op", "lm_head", "--impl", "xla", "--batch", 1,
                         "--time", 4, "--hidden", 8, "--vocab", 16, "--compile-cache",
                         str(tmp_path / "cache"), "--buffer-report", str(tmp_path / "b.txt"))
-    rec = proof.run_phase_in_process("memory", cmd, proof.in_process_main(cmd))
+    rec = proof_run.run_phase_in_process("memory", cmd, proof_run.in_process_main(cmd))
     assert rec["rc"] == 3 and "skipped" in rec["stderr"]  # no memory_stats on the CPU
     assert jax.config.jax_compilation_cache_dir == cache and dict(os.environ) == env
-    bad = proof.run_phase_in_process("bad", proof._cli("bench", "--impl", "nope"),
-                                     proof.in_process_main(proof._cli("bench")))
+    bad = proof_run.run_phase_in_process("bad", proof._cli("bench", "--impl", "nope"),
+                                         proof_run.in_process_main(proof._cli("bench")))
     assert bad["rc"] == 2 and "--impl" in bad["stderr"]
 
 

@@ -127,36 +127,39 @@ def _check_case(results: dict, i: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head", TRAINER_HEADS)
-def test_trainer_update_across_processes_equals_one_process(tmp_path, head):
+def test_trainer_update_across_processes_equals_one_process(tmp_path):
     """One ``Trainer.update`` (reference log-probs, two micro-batches, AdamW) of the small
-    random model with the vocabulary axis across the processes: the same loss, grad norm and
+    random model with the vocabulary axis across the processes, for each head (the logits
+    loss and the fused one, in one pair of processes): the same loss, grad norm and
     parameters after the step as one process without a mesh."""
     from grpo_kernels.rl.config import TrainConfig
     from grpo_kernels.rl.trainer import Trainer
 
-    one = Trainer(TrainConfig.from_dict(trainer_values(tmp_path / "one", head)),
-                  progress=False)
-    before = [np.asarray(x) for x in jax.tree.leaves(one.state)]
-    want = one.update(trainer_batch(one))
-    after = [np.asarray(x) for x in jax.tree.leaves(one.state)]
-
-    out = tmp_path / "update.npz"
-    runs, _ = _run_workers(out, head, worker="multiprocess_trainer_worker.py")
+    out = tmp_path / "update"
+    runs, _ = _run_workers(out, ",".join(TRAINER_HEADS), worker="multiprocess_trainer_worker.py")
     for i, (rc, stdout, stderr) in enumerate(runs):
         assert rc == 0, f"process {i} failed:\n{stdout}\n{stderr[-3000:]}"
-    got = dict(np.load(out))
-    np.testing.assert_allclose(got["metric_loss"], want["loss"], rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(got["metric_grad_norm"], want["grad_norm"], rtol=1e-4)
-    np.testing.assert_allclose(got["metric_kl"], want["kl"], rtol=1e-4, atol=1e-7)
-    assert len(got) - len(want) == len(after)
-    moved = 0.0
-    for i, (b, a) in enumerate(zip(before, after, strict=True)):
-        p = got[f"param_{i}"]
-        assert p.shape == a.shape and np.isfinite(p).all()
-        assert rel_err(p - b, a - b) <= 1e-3, (i, rel_err(p - b, a - b))
-        moved = max(moved, float(np.abs(a - b).max()))
-    assert moved > 1e-4, moved  # the step did move the weights
+    for head in TRAINER_HEADS:
+        one = Trainer(TrainConfig.from_dict(trainer_values(tmp_path / f"one-{head}", head)),
+                      progress=False)
+        before = [np.asarray(x) for x in jax.tree.leaves(one.state)]
+        want = one.update(trainer_batch(one))
+        after = [np.asarray(x) for x in jax.tree.leaves(one.state)]
+        got = dict(np.load(f"{out}.{head}.npz"))
+        np.testing.assert_allclose(got["metric_loss"], want["loss"], rtol=1e-4, atol=1e-6,
+                                   err_msg=head)
+        np.testing.assert_allclose(got["metric_grad_norm"], want["grad_norm"], rtol=1e-4,
+                                   err_msg=head)
+        np.testing.assert_allclose(got["metric_kl"], want["kl"], rtol=1e-4, atol=1e-7,
+                                   err_msg=head)
+        assert len(got) - len(want) == len(after), head
+        moved = 0.0
+        for i, (b, a) in enumerate(zip(before, after, strict=True)):
+            p = got[f"param_{i}"]
+            assert p.shape == a.shape and np.isfinite(p).all()
+            assert rel_err(p - b, a - b) <= 1e-3, (head, i, rel_err(p - b, a - b))
+            moved = max(moved, float(np.abs(a - b).max()))
+        assert moved > 1e-4, (head, moved)  # the step did move the weights
 
 
 def _train(config: Path, *extra: str, limit_s: float = LIMIT_S):
