@@ -134,9 +134,9 @@ def test_tunix_loss_with_the_patch_equals_without():
     model = tiny_model("qwen3", seed=10)
     example = train_example(model, seed=11, sampler=True)
     cfg = algo_config(*TUNIX_LIKE)
-    want = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg, jit=False)
+    want = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg)
     with ours.log_probs_patched("xla"):
-        got = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg, jit=False)
+        got = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg)
         answered = common.compute_per_token_logps.calls
     assert_parity("grpo-patched", got, want)
     # the head's loss asks for entropies, which we answer; 0.1.7's asks for logits: tunix's

@@ -56,12 +56,12 @@ def test_lora_adapted_models_match_tunix(family, tied):
     adapted = with_lora(model, example, BODY)
     assert tunix_modules.head_blocker(adapted) is None
     cfg = algo_config(*TUNIX_LIKE)
-    want = loss_and_grads(algo_core.grpo_loss_fn, adapted, example, cfg, jit=False)
-    plain = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg, jit=False)
+    want = loss_and_grads(algo_core.grpo_loss_fn, adapted, example, cfg)
+    plain = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg)
     assert abs(float(want[0]) - float(plain[0])) > 1e-3  # the adapters change the loss
     for fn in (ours.logits_policy_loss, ours.fused_policy_loss):
         assert_parity(f"{family}-lora-{fn.__name__}",
-                      loss_and_grads(fn, adapted, example, cfg, jit=False), want,
+                      loss_and_grads(fn, adapted, example, cfg), want,
                       grad_tol=LORA_GRAD_TOL)
     assert not jax.tree.leaves(nnx.state(adapted, nnx.Intermediate))  # nothing left sown
 
@@ -84,8 +84,8 @@ def test_models_not_read_fall_back_or_raise(case):
         model, reason = halved(model), "HalvedLogits has its own __call__"
     assert re.search(reason, tunix_modules.head_blocker(model)), tunix_modules.head_blocker(model)
     cfg = algo_config(*TUNIX_LIKE)
-    want = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg, jit=False)
-    assert_parity(case, loss_and_grads(ours.logits_policy_loss, model, example, cfg, jit=False),
+    want = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg)
+    assert_parity(case, loss_and_grads(ours.logits_policy_loss, model, example, cfg),
                   want)
     with pytest.raises(ValueError, match=f"grpo_kernels_fused needs .*{reason}"):
         ours.fused_policy_loss(model, example, cfg, PAD, EOS)
@@ -99,17 +99,17 @@ def test_qwix_llama3_is_read_where_its_call_skips_the_head():
     example = train_example(model, seed=5)
     adapted = with_lora(model, example, BODY)
     cfg = algo_config(*TUNIX_LIKE)
-    want = loss_and_grads(algo_core.grpo_loss_fn, adapted, example, cfg, jit=False)
+    want = loss_and_grads(algo_core.grpo_loss_fn, adapted, example, cfg)
     if tunix_modules.skips_lm_head(adapted):
         assert tunix_modules.head_blocker(adapted) is None
         for fn in (ours.logits_policy_loss, ours.fused_policy_loss):
             assert_parity(f"llama3-lora-{fn.__name__}",
-                          loss_and_grads(fn, adapted, example, cfg, jit=False), want)
+                          loss_and_grads(fn, adapted, example, cfg), want)
         return
     reason = "inside Llama3.__call__"
     assert re.search(reason, tunix_modules.head_blocker(adapted))
     assert_parity("llama3-lora-logits", loss_and_grads(ours.logits_policy_loss, adapted,
-                                                       example, cfg, jit=False), want)
+                                                       example, cfg), want)
     with pytest.raises(ValueError, match=f"grpo_kernels_fused needs .*{reason}"):
         ours.fused_policy_loss(adapted, example, cfg, PAD, EOS)
 
@@ -122,13 +122,12 @@ def test_soft_capped_gemma_is_read_with_its_cap():
     example = train_example(model, seed=5)
     assert tunix_modules.head_blocker(model) is None
     cfg = algo_config(*TUNIX_LIKE)
-    want = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg, jit=False)
+    want = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg)
     for fn in (ours.logits_policy_loss, ours.fused_policy_loss):
         assert_parity(f"softcap-{fn.__name__}",
-                      loss_and_grads(fn, model, example, cfg, jit=False), want)
+                      loss_and_grads(fn, model, example, cfg), want)
     uncapped = tiny_model("gemma", seed=4)
-    assert abs(float(loss_and_grads(algo_core.grpo_loss_fn, uncapped, example, cfg,
-                                    jit=False)[0]) - float(want[0])) > 1e-4
+    assert abs(float(loss_and_grads(algo_core.grpo_loss_fn, uncapped, example, cfg)[0]) - float(want[0])) > 1e-4
 
 
 def test_completion_logits_are_the_models_before_its_float32_cast():
@@ -192,12 +191,12 @@ def test_a_model_of_tunixs_chunked_protocol_is_read_by_its_head_function():
     assert tunix_modules.reading(model) == "function"
     cfg = algo_config(*TUNIX_LIKE)
     for example in (train_example(model, seed=4, sampler=True), packed_example(model, seed=5)):
-        want = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg, jit=False)
+        want = loss_and_grads(algo_core.grpo_loss_fn, model, example, cfg)
         chunked = functools.partial(ours.fused_policy_loss,
                                     options=LmHeadBlockSizes(chunk_tokens=6))
         for name, fn in (("logits", ours.logits_policy_loss), ("fused", ours.fused_policy_loss),
                          ("fused-chunks", chunked)):
-            assert_parity(f"adapter-{name}", loss_and_grads(fn, model, example, cfg, jit=False),
+            assert_parity(f"adapter-{name}", loss_and_grads(fn, model, example, cfg),
                           want)
 
 
