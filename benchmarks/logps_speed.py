@@ -3,6 +3,7 @@
     python3 benchmarks/logps_speed.py                     # both ops at the issue's shapes
     python3 benchmarks/logps_speed.py --op hidden --rows 2048 --hidden 512 --vocab 32768
     python3 benchmarks/logps_speed.py --easydel /tmp/easydel   # + EasyDeL 0.3.0's chunked ops
+    python3 benchmarks/logps_speed.py --op hidden --top-k 50 --top-p 0.95   # + truncated
 
 ``--op logits`` (``[B, T, V]`` logits, ``--dtype``): ``grpo_kernels.token_logps`` (impl
 ``--impls``) against the plain float32 ``log_softmax`` and gather that a trainer writes
@@ -89,8 +90,9 @@ def contenders(args) -> tuple[dict, tuple]:
                 lambda z, ids: chunked(z, ids, return_entropy=False,
                                        chunk_size=args.easydel_vocab_chunk)[0])
         for impl in impls:
-            fns[f"token_logps {impl}"] = jax.jit(
-                lambda z, ids, impl=impl: token_logps(z, ids, impl=impl))
+            for name, kw in _truncations(args):
+                fns[f"token_logps {impl}{name}"] = jax.jit(
+                    lambda z, ids, impl=impl, kw=kw: token_logps(z, ids, impl=impl, **kw))
         return fns, (z, ids)
     h = jax.random.normal(k[0], (1, args.rows, args.hidden)).astype(dtype)
     w = (2 * jax.random.normal(k[1], (args.hidden, args.vocab)) / args.hidden ** 0.5
@@ -109,9 +111,22 @@ def contenders(args) -> tuple[dict, tuple]:
                 _Head(w), h, ids, token_chunk_size=args.easydel_token_chunk,
                 vocab_chunk_size=args.easydel_vocab_chunk, return_entropy=False)[0])
     for impl in impls:
-        fns[f"token_logps_from_hidden {impl}"] = jax.jit(
-            lambda h, w, ids, impl=impl: token_logps_from_hidden(h, w, ids, impl=impl))
+        for name, kw in _truncations(args):
+            fns[f"token_logps_from_hidden {impl}{name}"] = jax.jit(
+                lambda h, w, ids, impl=impl, kw=kw: token_logps_from_hidden(h, w, ids,
+                                                                            impl=impl, **kw))
     return fns, (h, w, ids)
+
+
+def _truncations(args) -> list[tuple[str, dict]]:
+    """Our contenders' options: none, and with ``--top-k/--top-p/--min-p`` also those (the
+    log-probs of the sampler's truncated distribution)."""
+    kw = {k: v for k, v in (("top_k", args.top_k), ("top_p", args.top_p),
+                            ("min_p", args.min_p)) if v is not None}
+    out = [("", {})]
+    if kw:
+        out.append((" " + ", ".join(f"{k}={v}" for k, v in kw.items()), kw))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="EasyDeL's vocabulary chunk (default 8192)")
     p.add_argument("--easydel-token-chunk", type=int, default=512,
                    help="EasyDeL's token chunk from hidden states (default 512)")
+    p.add_argument("--top-k", type=int, help="also time ours with this top_k (and the "
+                   "other truncation options given)")
+    p.add_argument("--top-p", type=float, help="also time ours with this top_p")
+    p.add_argument("--min-p", type=float, help="also time ours with this min_p")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", help="also write the rows to this file")
@@ -142,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
                  "easydel_token_chunk"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    from grpo_kernels.ops.core.truncation import Truncation
+    try:
+        Truncation(args.top_k, args.top_p, args.min_p)
+    except ValueError as e:
+        p.error(f"--top-k/--top-p/--min-p: {e}")
     rows = []
     for op in (["logits", "hidden"] if args.op == "both" else [args.op]):
         args.op = op

@@ -194,3 +194,51 @@ def oracle(logits, ids, mask, adv, cfg, old=None, ref=None, num_items=None, samp
         "kl_loss": float(kl_loss),
     }
     return float(loss), metrics
+
+
+def truncated_oracle(scaled, ids, top_k=None, top_p=None, min_p=None):
+    """Float64 log-probs under a sampler's min-p, top-k and top-p (in that order, vLLM's), by
+    sorting each row of ``scaled [N, V]`` (the logits over the temperature).
+
+    Returns ``(logp [N], entropy [N], kept [N, V] bool, outside [N] bool, dlogp [N, V])``:
+    the kept set of each row (tie groups kept whole), whether the chosen id lies outside it,
+    and the gradient of each log-prob w.r.t. the scaled row. The log-prob is taken over the
+    kept set and the chosen token (documented in grpo_kernels.ops.core.truncation).
+    """
+    scaled = np.asarray(scaled, np.float64)
+    n, v = scaled.shape
+    logp, ent = np.zeros(n), np.zeros(n)
+    kept = np.zeros((n, v), bool)
+    grad = np.zeros((n, v))
+    for r in range(n):
+        s, keep = scaled[r], np.ones(v, bool)
+        if min_p:
+            keep &= s >= s.max() + np.log(min_p)
+        if top_k is not None and keep.sum() > top_k:
+            keep &= s >= np.sort(s[keep])[::-1][top_k - 1]
+        if top_p is not None and top_p < 1:
+            a = s[keep]
+            q = np.exp(a - a.max())
+            q /= q.sum()
+            order = np.argsort(-a, kind="stable")
+            desc, qs = a[order], q[order]
+            before = np.cumsum(qs) - qs
+            # a tie group's mass above is that before its first member
+            first = np.searchsorted(-desc, -desc, side="left")
+            above = np.empty_like(a)
+            above[order] = before[first]
+            sub = keep.copy()
+            sub[keep] = above < top_p
+            keep = sub
+        kept[r] = keep
+        support = keep.copy()
+        support[ids[r]] = True
+        x = s[support]
+        lse = x.max() + np.log(np.exp(x - x.max()).sum())
+        p = np.where(support, np.exp(np.where(support, s, 0.0) - lse), 0.0)
+        logp[r] = s[ids[r]] - lse
+        ent[r] = -(p[support] * (s[support] - lse)).sum()
+        grad[r] = -p
+        grad[r, ids[r]] += 1.0
+    outside = ~kept[np.arange(n), ids]
+    return logp, ent, kept, outside, grad

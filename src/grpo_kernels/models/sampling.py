@@ -7,7 +7,8 @@ and every new token) until every row has produced an end token or ``max_new_toke
 
 Sampling at step ``i`` with logits ``z``: ``temperature == 0`` is greedy; otherwise ``z / T``,
 restricted to the ``top_k`` largest and then to the smallest set of tokens whose probability
-reaches ``top_p``, is sampled. The returned log-prob of each token is
+reaches ``top_p`` (ties at either boundary kept whole; :mod:`grpo_kernels.ops.core.truncation`),
+is sampled. The returned log-prob of each token is
 ``log_softmax(z / T)[token]`` (``T = 1`` when greedy) of the unrestricted distribution: the
 policy log-prob GRPO uses as ``old_logps`` at that temperature.
 """
@@ -23,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_kernels.models.decoder import Decoder, positions_from_mask
+from grpo_kernels.ops.core.truncation import Truncation, support_floor
 
 Array = jax.Array
 PROMPT_BUCKET = 64
@@ -64,20 +66,13 @@ def _check(prompts, num_generations, max_new_tokens, temperature, top_k, top_p, 
 
 
 def _filter(z: Array, top_k: int | None, top_p: float | None) -> Array:
-    """``z [N, V]`` with tokens outside the top-k / top-p sets at ``-inf``."""
-    if top_k is not None and top_k < z.shape[-1]:
-        kth = jax.lax.top_k(z, top_k)[0][:, -1:]
-        z = jnp.where(z < kth, -jnp.inf, z)
-    if top_p is not None and top_p < 1:
-        order = jnp.argsort(-z, axis=-1)
-        sorted_z = jnp.take_along_axis(z, order, axis=-1)
-        probs = jax.nn.softmax(sorted_z, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above
-        keep_sorted = before < top_p  # the first token is always kept
-        keep = jnp.zeros_like(keep_sorted).at[
-            jnp.arange(z.shape[0])[:, None], order].set(keep_sorted)
-        z = jnp.where(keep, z, -jnp.inf)
-    return z
+    """``z [N, V]`` with tokens outside the top-k / top-p sets at ``-inf``: the truncation
+    the log-prob ops compute for the loss (:mod:`grpo_kernels.ops.core.truncation`), so the
+    two describe one distribution."""
+    trunc = Truncation(top_k=top_k, top_p=top_p)
+    if not trunc.active(z.shape[-1]):
+        return z
+    return jnp.where(z >= support_floor(z, trunc)[:, None], z, -jnp.inf)
 
 
 def _choose(z: Array, key: Array, temperature: float, top_k, top_p) -> tuple[Array, Array]:

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.ops.core.online_softmax import soft_cap
+from grpo_kernels.ops.core.truncation import Truncation, outside, support_floor, truncate
 
 Array = jax.Array
 
@@ -19,8 +20,30 @@ def token_logp_and_entropy(logits: Array, ids: Array, temperature: float,
     """
     vocab = logits.shape[-1]
     scaled = soft_cap(logits.astype(jnp.float32), softcap) / temperature
-    logsm = jax.nn.log_softmax(scaled, axis=-1)
     ids = jnp.clip(ids.astype(jnp.int32), 0, vocab - 1)
+    return _logp_and_entropy(scaled, ids)
+
+
+def truncated_token_logps(logits: Array, ids: Array, temperature: float,
+                          softcap: float | None, trunc: Truncation
+                          ) -> tuple[Array, Array, Array]:
+    """``(logp, entropy, outside)`` of the sampler's truncated distribution
+    (:mod:`.truncation`): the floor of each row found by sorting it whole, the row's entries
+    below it (but the chosen one) at ``-inf``, then :func:`token_logp_and_entropy`'s
+    ``log_softmax``; ``outside`` marks the ids below their floor. The floor is a constant of
+    the gradient."""
+    vocab = logits.shape[-1]
+    scaled = soft_cap(logits.astype(jnp.float32), softcap) / temperature
+    ids = jnp.clip(ids.astype(jnp.int32), 0, vocab - 1)
+    floor = jax.lax.stop_gradient(support_floor(jax.lax.stop_gradient(scaled), trunc,
+                                                by_sorting=True))
+    hit = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1) == ids[..., None]
+    chosen = jnp.take_along_axis(jax.lax.stop_gradient(scaled), ids[..., None], axis=-1)
+    return (*_logp_and_entropy(truncate(scaled, floor, hit), ids), outside(chosen[..., 0], floor))
+
+
+def _logp_and_entropy(scaled: Array, ids: Array) -> tuple[Array, Array]:
+    logsm = jax.nn.log_softmax(scaled, axis=-1)
     logp = jnp.take_along_axis(logsm, ids[..., None], axis=-1)[..., 0]
     p = jnp.exp(logsm)
     # Differentiable (the entropy bonus needs its gradient); where p = 0 the log is replaced by

@@ -135,7 +135,7 @@ def _bwd(grad_fn, with_entropy, res, cts):
     row = (RowGrad(g.astype(F32), h.astype(F32), entropy) if with_entropy
            else RowGrad(g.astype(F32)))
     return (grad_fn(primals, hit_ids, lse, row), zero_cotangent(logp), zero_cotangent(ent),
-            zero_cotangent(lse), zero_cotangent(entropy), zero_cotangent(hit_ids))
+            zero_cotangent(lse), zero_cotangent(entropy), zero_cotangents(hit_ids))
 
 
 with_softmax_gradient.defvjp(_fwd, _bwd)

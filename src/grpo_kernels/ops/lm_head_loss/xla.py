@@ -58,6 +58,7 @@ from grpo_kernels.objective import (
 from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import common_dtype
 from grpo_kernels.ops.core.platform import by_platform
+from grpo_kernels.ops.core.truncation import Truncation
 from grpo_kernels.ops.core.vjp import loss_with_gradient, scale_by_cotangent
 from grpo_kernels.ops.lm_head_loss.head import HeadFormat
 from grpo_kernels.ops.lm_head_loss.xla_plan import (LmHeadBlockSizes, dweight_rows,
@@ -252,7 +253,7 @@ def gathered_pieces(hidden: Array, fmt: HeadFormat, options: LmHeadBlockSizes | 
 
 def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadBlockSizes | None,
            temperature: float, vocab: int, reduce_dh: Callable[[Array], Array],
-           seq: tuple[str, int] | None = None):
+           seq: tuple[str, int] | None = None, trunc: Truncation | None = None):
     """``(stats, grad)`` on this device's rows and head shard (see :mod:`grpo_kernels.sharding`):
 
     ``stats(primals, ids)`` -> the ``[B, T]`` ``(logp, lse, entropy)`` of the shard's columns;
@@ -263,6 +264,10 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadBlockSizes |
     ``hidden`` is this device's ``[B, T / k, H]`` share of the steps (sequence-parallel over the
     vocab axis; :func:`~.xla_sweep.head_sweep`'s ``seq``), the ``[B, T]`` inputs and outputs
     are whole, and ``dhidden`` comes back as ``hidden``'s share.
+
+    With the sampler's truncation ``trunc`` (the whole head on one device, no ``seq``):
+    ``stats`` also gives each token's floor and whether its id lies below it (found in the
+    statistics pass's chunks), and ``grad`` takes ``(ids, floor)`` for ``hit_ids``.
     """
     b, t, hdim = hidden.shape
     parts = 1 if seq is None else seq[1]
@@ -294,20 +299,26 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadBlockSizes |
     def planned_stats(p: _Plan, primals, ids):
         to_sweep, from_sweep = orders(p)
         h, head = _rows_and_head(*primals, fmt, p.cpu)
-        out, _ = head_sweep(h, to_sweep(ids), head, temperature, p.rows, None, seq=seq)
+        out, _ = head_sweep(h, to_sweep(ids), head, temperature, p.rows, None, seq=seq,
+                            trunc=trunc)
         return tuple(from_sweep(x) for x in out)
 
     def planned_grad(p: _Plan, primals, hit_ids, lse, row):
         to_sweep, _ = orders(p)
         h, head = _rows_and_head(*primals, fmt, p.cpu)
+        floor = None
+        if trunc is not None:
+            hit_ids, floor = hit_ids
+            floor = to_sweep(floor)
         ids, lse, row = to_sweep(hit_ids), to_sweep(lse), row.map(to_sweep)
         # dW update blocks of as many rows as the whole head's (p.dw_rows): the float32
         # product [rows, V_local] shrinks with the shard.
         _, grads = head_sweep(h, ids, head, temperature, p.rows, _given_grad_fn(row),
                               dw_rows=p.dw_rows, lse=lse, reduce_dh=reduce_dh,
-                              dweight=not by_vocab, seq=seq)
+                              dweight=not by_vocab, seq=seq, floor=floor)
         if by_vocab:
-            grads = (grads[0], *vocab_sweep(h, ids, head, temperature, lse, row, p.cols)[:2])
+            grads = (grads[0], *vocab_sweep(h, ids, head, temperature, lse, row, p.cols,
+                                            floor=floor)[:2])
         return _cast_grads(primals, *grads)
 
     def stats(primals, ids):

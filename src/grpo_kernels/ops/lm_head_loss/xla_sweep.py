@@ -20,6 +20,8 @@ from grpo_kernels.ops.core.dtypes import cast_to
 from grpo_kernels.objective import RowGrad
 from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, sweep
 from grpo_kernels.ops.core.online_softmax import soft_cap, softmax_grad, with_cap_grad
+from grpo_kernels.ops.core.truncation import (Truncation, keep_mask, listed_stats, outside,
+                                              support_floor, truncate)
 from grpo_kernels.ops.lm_head_loss.head import delta_dtype, matmul
 
 Array = jax.Array
@@ -173,17 +175,22 @@ def _accumulate_dweight(dw: Array, hc_t: Array, delta: Array, rows: int) -> Arra
 
 
 def logits_delta(s: Array, ids: Array, row: RowGrad, lse: Array, head: Head,
-                 col: Any = 0, temperature: float = 1.0) -> Array:
+                 col: Any = 0, temperature: float = 1.0,
+                 floor: Array | None = None) -> Array:
     r"""``delta = dL/ds`` for the rows of ``s [r, w]``, whose columns are the vocabulary's
     ``col .. col + w``: :func:`softmax_grad` of ``u = s - lse`` with the per-row factors of
     ``row`` (``[r]`` arrays, already over ``tau``); without an entropy term
     ``g (1[v = y] - e^{u})``. In the dtype the two gradient matmuls take
     (:func:`delta_dtype`). An id outside the columns (``-1``: a vocabulary shard that does not
     own it) has no one-hot term. A soft-capped head's ``delta`` is w.r.t. the uncapped logits:
-    times the cap's derivative at ``s * temperature``, the capped logits."""
+    times the cap's derivative at ``s * temperature``, the capped logits. With the rows'
+    ``floor`` (a sampler's truncation) the entries below it but the chosen one have ``p = 0``."""
     hit = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) == (ids - col)[:, None]
     r = row.map(lambda x: x[:, None])
-    d = softmax_grad(s - lse[:, None], hit, r.g, r.h, r.entropy)
+    u = s - lse[:, None]
+    if floor is not None:
+        u = jnp.where(keep_mask(s, floor, hit), u, -jnp.inf)
+    d = softmax_grad(u, hit, r.g, r.h, r.entropy)
     d = with_cap_grad(d, s * temperature, head.softcap)
     return cast_to(d, delta_dtype(head.logits_dtype, head.w.dtype))
 
@@ -195,7 +202,9 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
                dweight: bool = True,
                then: ThenFn | None = None,
                seq: tuple[str, int] | None = None,
-               ) -> tuple[tuple[Array, Array, Array], Any]:
+               trunc: Truncation | None = None,
+               floor: Array | None = None,
+               ) -> tuple[tuple[Array, ...], Any]:
     """One pass over chunks of ``rows`` tokens.
 
     Args:
@@ -230,9 +239,14 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
       then: Applied after the loop to the statistics and the gradients as the loop holds them
         (``dh`` as ``uint16`` bits for 16-bit ``h``, ``dW`` as ``[H, V]``), before they are
         put in their dtypes and layout (:mod:`.xla_quantile`'s correction).
+      trunc: A sampler's truncation (a whole-vocabulary head, no ``seq``): each chunk finds
+        its rows' floors (:func:`~grpo_kernels.ops.core.truncation.support_floor`) and
+        truncates them; the statistics gain ``floor`` and ``outside`` (the id below it).
+      floor: ``[N]`` floors found by such a pass, for the gradient pass.
 
     Returns:
-      ``((logp, lse, entropy), grads)``: three ``[N]`` float32 vectors, and ``None`` or
+      ``((logp, lse, entropy), grads)``: three ``[N]`` float32 vectors (five with ``trunc``:
+      and ``floor`` float32, ``outside`` bool), and ``None`` or
       ``(dh [N, H] in h's dtype, dW float32 in W's layout, db [V] float32 or None)``.
     """
     parts = 1 if seq is None else seq[1]
@@ -241,6 +255,9 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
     if grad_fn is not None and dweight and dw_rows is None:
         raise ValueError("head_sweep: a pass that forms dW needs dw_rows (dweight_rows)")
     stats_block = CPU_STATS_BLOCK if head.cpu else None
+    # a statistics pass under a top-k needs no pass over the truncated rows (listed_stats)
+    listed = (trunc is not None and grad_fn is None and trunc.top_k is not None
+              and trunc.top_k < vocab)
 
     def chunk(start, size, carry):
         stats, grads = carry
@@ -253,9 +270,19 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
             z = jax.lax.optimization_barrier(z)
         s = head.scores(z, temperature)
         chosen = jnp.take_along_axis(s, jnp.clip(idc, 0, vocab - 1)[:, None], axis=1)[:, 0]
-        logp, lse_c, ent = finish(*chunk_stats(s, stats_block), chosen)
+        extra, floor_c = (), rows_of(floor, start, size)
+        if listed:  # the statistics from the k largest values alone
+            floor_c, logp, lse_c, ent, out = listed_stats(s, chosen, trunc)
+            extra = (floor_c, out)
+        else:
+            if trunc is not None:
+                floor_c = support_floor(s, trunc)
+                extra = (floor_c, outside(chosen, floor_c))
+            kept = s if floor_c is None else truncate(
+                s, floor_c, jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) == idc[:, None])
+            logp, lse_c, ent = finish(*chunk_stats(kept, stats_block), chosen)
         stats = tuple(jax.lax.dynamic_update_slice_in_dim(o, x, start, 0)
-                      for o, x in zip(stats, (logp, lse_c, ent), strict=True))
+                      for o, x in zip(stats, (logp, lse_c, ent, *extra), strict=True))
         if grads is None:
             return stats, None
         dh_bits, dw, db = grads
@@ -265,7 +292,7 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
         if row.h is not None and row.entropy is None:
             row = row._replace(entropy=ent)
         delta = logits_delta(s, idc, row.over(temperature), lse_c, head,
-                             temperature=temperature)
+                             temperature=temperature, floor=floor_c)
         dhc = head.dhidden(delta)
         if seq is not None:
             dhc = jax.lax.psum_scatter(dhc, seq[0], scatter_dimension=0, tiled=True)
@@ -282,7 +309,10 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
     # Inside shard_map the carries are typed like the data each is made of; a dh that is
     # summed over the vocab axis per chunk does not vary over it.
     like = (h, ids, head.w) + (() if lse is None else (lse,))
-    stats0 = vary_like(tuple(jnp.zeros((n,), _F32) for _ in range(3)), *like)
+    stats0 = tuple(jnp.zeros((n,), _F32) for _ in range(3))
+    if trunc is not None:
+        stats0 = (*stats0, jnp.zeros((n,), _F32), jnp.zeros((n,), jnp.bool_))
+    stats0 = vary_like(stats0, *like)
     if grad_fn is None:
         return sweep(n, rows, chunk, (stats0, None))[0], None
     dh_like = (h,) if reduce_dh is not None or seq is not None else like

@@ -115,7 +115,8 @@ def vocab_stats(h: Array, ids: Array, head: Head, temperature: float, cols: int,
 
 def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array,
                 row: RowGrad, cols: int, fsdp: tuple[str, ...] = (),
-                with_dh: bool = False) -> tuple[Array, Array | None, Array | None]:
+                with_dh: bool = False,
+                floor: Array | None = None) -> tuple[Array, Array | None, Array | None]:
     r"""``dW`` and ``db`` (and ``dh``) in one pass over blocks of ``cols`` vocabulary columns,
     every token at once, given each token's ``lse`` and
     :class:`~grpo_kernels.objective.RowGrad` (``[N]`` arrays, from a token pass).
@@ -134,7 +135,8 @@ def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array
     ``fsdp``: mesh axes (inside ``shard_map``) over which ``W``'s hidden dimension is split:
     each block is gathered over them before use and its float32 ``dW`` summed back over them
     by a reduce-scatter, so ``dW`` comes back as this device's ``W`` shard's gradient and no
-    device holds more than one block of the whole ``W``.
+    device holds more than one block of the whole ``W``. ``floor``: each token's floor under a
+    sampler's truncation (:func:`logits_delta`).
 
     16-bit blocks go into ``dW`` through :func:`in_slabs` (no weight-sized copy on XLA:CPU),
     float32 ones directly. The loop passes ``W`` through an ``optimization_barrier`` with its
@@ -157,7 +159,7 @@ def vocab_sweep(h: Array, ids: Array, head: Head, temperature: float, lse: Array
         w_block = _gather_block(_slice_rows(w, col, width, axis=axis), head, fsdp)
         part = dataclasses.replace(head, w=w_block, bias=bias)
         s = part.scores(part.logits(h), temperature)
-        delta = logits_delta(s, ids, coef, lse, head, col, temperature)
+        delta = logits_delta(s, ids, coef, lse, head, col, temperature, floor)
         if head.layout == "hv":
             upd = matmul(h, delta, ((0,), (0,)))  # [H, cols]
         else:

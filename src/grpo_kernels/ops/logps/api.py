@@ -34,7 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from grpo_kernels.ops.core.reference import token_logp_and_entropy
+from grpo_kernels.ops.core.reference import token_logp_and_entropy, truncated_token_logps
+from grpo_kernels.ops.core.truncation import Truncation, truncation_of
 from grpo_kernels.ops.core.validate import (check_ids_in_range, check_shape, check_softcap,
                                             resolve_impl, shape_of)
 from grpo_kernels.ops.core.vjp import with_softmax_gradient
@@ -80,20 +81,58 @@ def check_logits(logits: Any) -> tuple[int, int, int]:
     return shape
 
 
-def from_pieces(stats: Any, grad: Any, primals: tuple, ids: Array,
-                with_entropy: bool) -> tuple[Array, Array]:
-    """``(logp, entropy)`` of an implementation's statistics ``stats``, differentiable through
-    its gradient piece ``grad`` (the pair a loss's ``pieces`` gives)."""
-    logp, lse, ent = stats(jax.tree.map(jax.lax.stop_gradient, primals), ids)
-    return with_softmax_gradient(grad, with_entropy, primals, logp, ent, lse, ent, ids)
+def from_pieces(stats: Any, grad: Any, primals: tuple, ids: Array, with_entropy: bool,
+                truncated: bool = False) -> tuple[Array, Array, Array | None]:
+    """``(logp, entropy, outside)`` of an implementation's statistics ``stats``,
+    differentiable through its gradient piece ``grad`` (the pair a loss's ``pieces`` gives).
+    ``truncated``: pieces made with a sampler's truncation (their statistics give each row's
+    floor and ``outside``, their gradient takes ``(ids, floor)``); else ``outside`` is None."""
+    out = stats(jax.tree.map(jax.lax.stop_gradient, primals), ids)
+    logp, lse, ent = out[:3]
+    targets, outside = ((ids, out[3]), out[4]) if truncated else (ids, None)
+    logp, ent = with_softmax_gradient(grad, with_entropy, primals, logp, ent, lse, ent,
+                                      targets)
+    return logp, ent, outside
+
+
+def check_truncation(impl: str, requested: str, vocab: int, top_k: Any, top_p: Any,
+                     min_p: Any, return_outside: bool) -> tuple[Truncation | None, str]:
+    """The sampler's truncation (None when it drops nothing) and the implementation that
+    computes it: ``impl="auto"`` resolved to ``pallas`` becomes ``xla``; ``pallas`` asked for
+    by name is a ValueError (its kernels take no floor)."""
+    trunc = truncation_of(top_k, top_p, min_p)
+    if not isinstance(return_outside, bool):
+        raise ValueError(f"return_outside must be a bool, got {return_outside!r}")
+    if not trunc.active(vocab):
+        return None, impl
+    if impl == "pallas":
+        if requested != "auto":
+            raise ValueError("top_k / top_p / min_p: impl='pallas' does not truncate; use "
+                             "impl='xla' or 'reference'")
+        impl = "xla"
+    return trunc, impl
+
+
+def _results(logp: Array, ent: Array, outside: Array | None, return_entropy: bool,
+             return_outside: bool) -> Array | tuple[Array, ...]:
+    if outside is None:
+        outside = jnp.zeros(logp.shape, jnp.bool_)
+    out = (logp, *((ent,) if return_entropy else ()), *((outside,) if return_outside else ()))
+    return out[0] if len(out) == 1 else out
 
 
 def token_logps(logits: Array, ids: Array, *, temperature: float = 1.0,
                 return_entropy: bool = False, impl: str = "auto",
                 options: logits_xla.XlaBlockSizes | logits_pallas.PallasOptions | None = None,
                 check_ids: bool = False,
-                logit_softcap: float | None = None) -> Array | tuple[Array, Array]:
+                logit_softcap: float | None = None, top_k: int | None = None,
+                top_p: float | None = None, min_p: float | None = None,
+                return_outside: bool = False) -> Array | tuple[Array, ...]:
     r"""Per-token log-probs :math:`\log\mathrm{softmax}(z / \tau)[y]` of logits, float32.
+
+    With ``top_k``, ``top_p`` or ``min_p``: the log-probs of the distribution a sampler drew
+    from under them (vLLM's processed log-probs: :mod:`grpo_kernels.ops.core.truncation`),
+    renormalised over the tokens it keeps and the chosen one.
 
     Args:
       logits: ``[B, T, V]``, any float dtype; position ``t`` scores ``ids[:, t]``.
@@ -107,9 +146,17 @@ def token_logps(logits: Array, ids: Array, *, temperature: float = 1.0,
       check_ids: Raise ValueError for an id outside ``[0, V)``.
       logit_softcap: :math:`c > 0`: the logits soft-capped, :math:`c \tanh(z / c)`, before
         the temperature (``reference`` and ``xla``).
+      top_k: Keep the ``top_k`` largest scaled logits of each row (and their ties).
+      top_p: Then the smallest top set of probability ``>= top_p``, in ``(0, 1]``.
+      min_p: First the tokens of probability ``>= min_p`` times the row's largest.
+      return_outside: Also return ``[B, T]`` bool: the chosen token lies outside the kept set
+        (its log-prob is then over the kept set and itself).
 
     Returns:
-      ``logp [B, T]`` float32, or ``(logp, entropy)``; differentiable w.r.t. ``logits``.
+      ``logp [B, T]`` float32, then ``entropy`` (``return_entropy``) and ``outside``
+      (``return_outside``) when asked; differentiable w.r.t. ``logits``. The truncation's
+      kept set is a constant of the gradient (``reference`` and ``xla``; ``impl="auto"``
+      takes ``xla`` where it would take ``pallas``).
 
     Raises:
       ValueError: naming the argument (shapes, dtypes, temperature, impl, options).
@@ -125,19 +172,26 @@ def token_logps(logits: Array, ids: Array, *, temperature: float = 1.0,
     """
     b, t, vocab = check_logits(logits)
     tau = check_temperature(temperature)
+    requested = impl
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
+    trunc, impl = check_truncation(impl, requested, vocab, top_k, top_p, min_p, return_outside)
     softcap = check_softcap(logit_softcap)
     ids = check_token_ids(ids, b, t, vocab, check_ids)
-    if impl == "reference":
+    outside = None
+    if impl == "reference" and trunc is not None:
+        logp, ent, outside = truncated_token_logps(logits, ids, tau, softcap, trunc)
+    elif impl == "reference":
         logp, ent = token_logp_and_entropy(logits, ids, tau, softcap)
     elif impl == "xla":
-        logp, ent = from_pieces(*logits_xla.pieces(logits.shape, options, tau, softcap),
-                                (logits,), ids, return_entropy)
+        xla_options = options if isinstance(options, logits_xla.XlaBlockSizes) else None
+        logp, ent, outside = from_pieces(
+            *logits_xla.pieces(logits.shape, xla_options, tau, softcap, trunc), (logits,), ids,
+            return_entropy, truncated=trunc is not None)
     else:
-        logp, ent = from_pieces(*logits_pallas.pieces(logits.shape, logits.dtype, options, tau,
-                                                      softcap),
-                                (logits,), ids, return_entropy)
-    return (logp, ent) if return_entropy else logp
+        logp, ent, _ = from_pieces(*logits_pallas.pieces(logits.shape, logits.dtype, options,
+                                                         tau, softcap),
+                                   (logits,), ids, return_entropy)
+    return _results(logp, ent, outside, return_entropy, return_outside)
 
 
 def token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *,
@@ -147,7 +201,9 @@ def token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *,
                             impl: str = "auto",
                             options: head_xla.LmHeadBlockSizes | head_pallas.LmHeadPallasOptions
                             | None = None,
-                            check_ids: bool = False) -> Array | tuple[Array, Array]:
+                            check_ids: bool = False, top_k: int | None = None,
+                            top_p: float | None = None, min_p: float | None = None,
+                            return_outside: bool = False) -> Array | tuple[Array, ...]:
     r"""Per-token log-probs of the logits :math:`z = \mathrm{cast}(h W + b)`, never forming
     ``[B, T, V]`` (``xla``, ``pallas``).
 
@@ -171,10 +227,15 @@ def token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *,
         chunked matmul and the softmax statistics) or ``"pallas"`` (TPU kernel).
       options: ``LmHeadBlockSizes`` for ``xla``, ``LmHeadPallasOptions`` for ``pallas``.
       check_ids: Raise ValueError for an id outside ``[0, V)``.
+      top_k: Keep the ``top_k`` largest scaled logits of each row (as :func:`token_logps`;
+        ``xla`` finds each chunk's floors in its one matmul pass).
+      top_p: Then the smallest top set of probability ``>= top_p``.
+      min_p: First the tokens of probability ``>= min_p`` times the row's largest.
+      return_outside: Also return ``[B, T]`` bool: the chosen token lies outside the kept set.
 
     Returns:
-      ``logp [B, T]`` float32, or ``(logp, entropy)``; differentiable w.r.t. ``hidden``,
-      ``lm_head`` and ``bias``.
+      ``logp [B, T]`` float32, then ``entropy`` and ``outside`` when asked, as
+      :func:`token_logps`; differentiable w.r.t. ``hidden``, ``lm_head`` and ``bias``.
 
     Raises:
       ValueError: naming the argument.
@@ -189,22 +250,29 @@ def token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *,
       >>> bool(jnp.allclose(fused, token_logps(h @ w, ids, impl="reference"), atol=1e-5))
       True
     """
+    requested = impl
     impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
     fmt = head_api.validate_head(hidden, lm_head, lm_head_layout, bias, logits_dtype,
                                  logit_softcap)
     b, t, _ = hidden.shape
     vocab = fmt.vocab(lm_head)
+    trunc, impl = check_truncation(impl, requested, vocab, top_k, top_p, min_p, return_outside)
     tau = check_temperature(temperature)
     ids = check_token_ids(ids, b, t, vocab, check_ids)
     primals = (hidden, lm_head, bias)
+    outside = None
     if impl == "reference":
         z = head_logits(hidden, lm_head, fmt.layout, bias, fmt.logits_dtype)
-        logp, ent = token_logp_and_entropy(z, ids, tau, fmt.softcap)
+        if trunc is None:
+            logp, ent = token_logp_and_entropy(z, ids, tau, fmt.softcap)
+        else:
+            logp, ent, outside = truncated_token_logps(z, ids, tau, fmt.softcap, trunc)
     elif impl == "xla":
-        logp, ent = from_pieces(
-            *head_xla.pieces(hidden, lm_head, fmt, options, tau, vocab, None), primals, ids,
-            return_entropy)
+        xla_options = options if isinstance(options, head_xla.LmHeadBlockSizes) else None
+        logp, ent, outside = from_pieces(
+            *head_xla.pieces(hidden, lm_head, fmt, xla_options, tau, vocab, None, trunc=trunc),
+            primals, ids, return_entropy, truncated=trunc is not None)
     else:
-        logp, ent = from_pieces(*head_pallas.pieces(hidden, lm_head, fmt, options, tau),
-                                primals, ids, return_entropy)
-    return (logp, ent) if return_entropy else logp
+        logp, ent, _ = from_pieces(*head_pallas.pieces(hidden, lm_head, fmt, options, tau),
+                                   primals, ids, return_entropy)
+    return _results(logp, ent, outside, return_entropy, return_outside)
