@@ -49,7 +49,8 @@ from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stat
 from grpo_kernels.ops.core.online_softmax import soft_cap, softmax_grad, with_cap_grad
 from grpo_kernels.ops.core.options import check_int
 from grpo_kernels.ops.core.platform import by_platform
-from grpo_kernels.ops.core.truncation import Truncation, keep_mask, support_floor, truncate
+from grpo_kernels.ops.core.truncation import (Truncation, keep_mask, listed_stats, outside,
+                                              support_floor, truncate)
 from grpo_kernels.ops.core.vjp import loss_with_gradient
 
 Array = jax.Array
@@ -141,7 +142,6 @@ def shift_probe_width(vocab: int) -> int:
 def row_statistics(
     z: Array, ids: Array, temperature: float, blocks: XlaBlockSizes | None = None,
     probe_width: int | None = None, softcap: float | None = None,
-    floor: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     """Per-row ``(logp, lse, entropy)`` of ``softmax(z / temperature)``, rows flattened (the
     logits soft-capped first with ``softcap``; the probe's shift stays valid, the cap being
@@ -160,8 +160,6 @@ def row_statistics(
         ``probe_width`` columns (checked; see below). ``None``: :func:`shift_probe_width` on
         CPU, the exact row max elsewhere; ``>= V``: always the exact row max.
       softcap: The logits soft-capped first (:func:`soft_cap`).
-      floor: ``[N]``: each row truncated to its entries at or above the floor and its chosen
-        one (:func:`~grpo_kernels.ops.core.truncation.truncate`; :func:`row_floors`).
 
     Returns:
       Three ``[N]`` float32 vectors.
@@ -175,35 +173,19 @@ def row_statistics(
             shift_probe_width(vocab) if kind == "cpu" else vocab)
         return _Plan(rows, block_v, probe, kind == "cpu")
 
-    return by_platform(lambda p, z, ids: _row_statistics(z, ids, temperature, p, softcap,
-                                                         floor), plan, z, ids)
-
-
-def _truncated(s: Array, floor: Array | None, start: Any, size: int, col: Any,
-               idc: Array) -> Array:
-    """Rows ``start .. start + size`` of ``s`` (columns from ``col``) truncated to their
-    ``floor`` (and chosen ids ``idc``); ``floor=None``: ``s``."""
-    if floor is None:
-        return s
-    hit = col + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) == idc[:, None]
-    return truncate(s, jax.lax.dynamic_slice_in_dim(floor, start, size), hit)
+    return by_platform(lambda p, z, ids: _row_statistics(z, ids, temperature, p, softcap),
+                       plan, z, ids)
 
 
 def _row_statistics(z: Array, ids: Array, temperature: float, plan: _Plan,
-                    softcap: float | None = None,
-                    floor: Array | None = None) -> tuple[Array, Array, Array]:
+                    softcap: float | None = None) -> tuple[Array, Array, Array]:
     """:func:`row_statistics` under one platform's ``plan``."""
     vocab, n = z.shape[-1], ids.shape[0]
     rows, block_v, probe, cpu = plan
 
     def whole_rows(start, size, zz):
+        s = _load(zz, start, size, 0, vocab, temperature, cpu, softcap)
         idc = jax.lax.dynamic_slice_in_dim(ids, start, size)
-
-        def load(zz):
-            return _truncated(_load(zz, start, size, 0, vocab, temperature, cpu, softcap),
-                              floor, start, size, 0, idc)
-
-        s = load(zz)
         chosen = jnp.take_along_axis(s, idc[:, None], axis=1)[:, 0]
         if probe >= vocab:
             return (*block_stats(s), chosen)
@@ -214,7 +196,7 @@ def _row_statistics(z: Array, ids: Array, temperature: float, plan: _Plan,
         # exact row-max path, so the result never depends on the shortcut.
         fast = block_stats(s, jnp.max(s[:, :probe], axis=1))
         ok = jnp.all(jnp.isfinite(fast[0]) & jnp.isfinite(fast[1]) & jnp.isfinite(fast[2]))
-        exact = lambda zz: block_stats(load(zz))  # noqa: E731
+        exact = lambda zz: block_stats(_load(zz, start, size, 0, vocab, temperature, cpu, softcap))
         return (*jax.lax.cond(ok, lambda zz: fast, exact, zz), chosen)
 
     def vocab_blocks(start, size, zz):
@@ -223,8 +205,7 @@ def _row_statistics(z: Array, ids: Array, temperature: float, plan: _Plan,
         def block(col, width, carry):
             acc, zz = carry
             zz = _loop_carried(zz)
-            s = _truncated(_load(zz, start, size, col, width, temperature, cpu, softcap),
-                           floor, start, size, col, idc[:, 0])
+            s = _load(zz, start, size, col, width, temperature, cpu, softcap)
             cols = col + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
             chosen = acc[3] + jnp.sum(jnp.where(cols == idc, s, 0.0), axis=1)
             return (*merge_stats(acc[:3], block_stats(s)), chosen), zz
@@ -246,32 +227,42 @@ def _row_statistics(z: Array, ids: Array, temperature: float, plan: _Plan,
     return finish(*stats)
 
 
-def row_floors(z: Array, ids: Array, temperature: float, trunc: Truncation,
-               blocks: XlaBlockSizes | None = None,
-               softcap: float | None = None) -> tuple[Array, Array]:
-    """Each row's support floor under the sampler's truncation ``trunc``
-    (:func:`~grpo_kernels.ops.core.truncation.support_floor`) and whether its chosen id lies
-    below it: two ``[N]`` vectors (float32, bool), rows flattened as :func:`row_statistics`.
+def truncated_statistics(z: Array, ids: Array, temperature: float, trunc: Truncation,
+                         blocks: XlaBlockSizes | None = None,
+                         softcap: float | None = None) -> tuple[Array, ...]:
+    """Per-row ``(logp, lse, entropy, floor, outside)`` of ``softmax(z / temperature)`` under a
+    sampler's truncation ``trunc`` (:mod:`grpo_kernels.ops.core.truncation`), rows flattened
+    as :func:`row_statistics`: each row's floor, whether its chosen id lies below it, and the
+    statistics of the kept set and the chosen token.
 
     One pass over chunks of whole rows (the floor needs the whole row), as many rows as the
-    plan's float32 chunk holds.
+    plan's float32 chunk holds. Under a top-k the statistics come from each row's ``k + 1``
+    largest values (:func:`~grpo_kernels.ops.core.truncation.listed_stats`); otherwise from
+    the truncated chunk.
     """
     vocab, n = z.shape[-1], ids.shape[0]
+    listed = trunc.top_k is not None and trunc.top_k < vocab
 
     def planned(p: _Plan, z, ids):
         rows = max(1, min(n, p.rows * p.block_v // vocab))
 
         def chunk(start, size, carry):
-            (fl, out), zz = carry
+            out, zz = carry
             zz = _loop_carried(zz)
             s = _load(zz, start, size, 0, vocab, temperature, p.cpu, softcap)
             idc = jax.lax.dynamic_slice_in_dim(ids, start, size)
-            f = support_floor(s, trunc)
-            below = jnp.take_along_axis(s, idc[:, None], axis=1)[:, 0] < f
-            return (jax.lax.dynamic_update_slice_in_dim(fl, f, start, 0),
-                    jax.lax.dynamic_update_slice_in_dim(out, below, start, 0)), zz
+            chosen = jnp.take_along_axis(s, idc[:, None], axis=1)[:, 0]
+            if listed:
+                f, logp, lse, ent, below = listed_stats(s, chosen, trunc)
+            else:
+                f = support_floor(s, trunc)
+                hit = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) == idc[:, None]
+                logp, lse, ent = finish(*block_stats(truncate(s, f, hit)), chosen)
+                below = outside(chosen, f)
+            return tuple(jax.lax.dynamic_update_slice_in_dim(o, x, start, 0)
+                         for o, x in zip(out, (logp, lse, ent, f, below), strict=True)), zz
 
-        init = (jnp.zeros((n,), _F32), jnp.zeros((n,), jnp.bool_))
+        init = (*(jnp.zeros((n,), _F32) for _ in range(4)), jnp.zeros((n,), jnp.bool_))
         return sweep(n, rows, chunk, (init, z), like=(z, ids))[0]
 
     def plan(kind: str) -> _Plan:
@@ -345,20 +336,17 @@ def pieces(shape: tuple[int, ...], options: XlaBlockSizes | None, temperature: f
     :mod:`grpo_kernels.sharding`.
 
     With the sampler's truncation ``trunc`` (whole rows only): ``stats`` also gives each
-    row's floor and whether its id lies below it (:func:`row_floors`, one more pass), and
+    row's floor and whether its id lies below it (:func:`truncated_statistics`), and
     ``grad`` takes ``(ids, floor)`` for ``hit_ids``.
     """
     b, t, _ = shape
 
     def stats(primals, ids):
         flat = ids.reshape(-1)
-        floor = outside = None
-        if trunc is not None:
-            floor, outside = row_floors(primals[0], flat, temperature, trunc, options, softcap)
-        out = row_statistics(primals[0], flat, temperature, options, softcap=softcap,
-                             floor=floor)
-        if trunc is not None:
-            out = (*out, floor, outside)
+        if trunc is None:
+            out = row_statistics(primals[0], flat, temperature, options, softcap=softcap)
+        else:
+            out = truncated_statistics(primals[0], flat, temperature, trunc, options, softcap)
         return tuple(x.reshape(b, t) for x in out)
 
     def grad(primals, hit_ids, lse, row_grad):
