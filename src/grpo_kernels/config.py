@@ -55,6 +55,19 @@ def _optional_positive(name: str, value: Any, above: float = 0.0) -> None:
     )
 
 
+def check_sampler_truncation(top_k: Any, top_p: Any, min_p: Any) -> None:
+    """ValueError naming the option unless ``top_k`` is None or an int >= 1, ``top_p`` None or
+    in ``(0, 1]`` and ``min_p`` None or in ``[0, 1]`` (a sampler's truncation)."""
+    _require(top_k is None or (isinstance(top_k, int) and not isinstance(top_k, bool)
+                               and top_k >= 1),
+             f"top_k must be None or an int >= 1, got {top_k!r}")
+    for name, x, low_open in (("top_p", top_p, True), ("min_p", min_p, False)):
+        ok = x is None or (_is_real(x) and math.isfinite(x) and (0 < x if low_open else 0 <= x)
+                           and x <= 1)
+        _require(ok, f"{name} must be None or a number in {'(0, 1]' if low_open else '[0, 1]'}"
+                 f", got {x!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class GRPOLossConfig:
     r"""Options of the GRPO policy loss, with the meaning of Hugging Face TRL's GRPOTrainer.
@@ -115,6 +128,11 @@ class GRPOLossConfig:
       top_entropy_quantile: :math:`\rho \in (0, 1]`: only tokens whose entropy is at or above
         the :math:`1 - \rho` quantile of the batch's masked tokens carry the policy term
         (TRL); 1 keeps all.
+      top_k, top_p, min_p: The sampler's truncation (vLLM's order: min-p, top-k, top-p; None
+        for off): the log-probs are those of the distribution it drew from, renormalised over
+        the tokens it keeps and the chosen one (:mod:`grpo_kernels.ops.core.truncation`), the
+        entropy that distribution's; the metric ``outside_truncation`` counts the unmasked
+        tokens it would have dropped. ``reference`` and ``xla``, one device.
     """
 
     loss_type: LossType = "grpo"
@@ -145,6 +163,9 @@ class GRPOLossConfig:
     kl_bias_correction: bool = False
     entropy_coef: float = 0.0
     top_entropy_quantile: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -199,6 +220,7 @@ class GRPOLossConfig:
             "loss_type='dr_grpo' needs max_completion_length (an int > 0), got None",
         )
         self._check_loss_family()
+        check_sampler_truncation(self.top_k, self.top_p, self.min_p)
         self._check_sampler_options()
         self._check_entropy_options()
 

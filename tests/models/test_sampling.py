@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from grpo_kernels import token_logps
 from grpo_kernels.models import ModelConfig
 from grpo_kernels.models.decoder import Decoder
 from grpo_kernels.models.sampling import TRACES, generate
@@ -59,18 +60,24 @@ def test_greedy_equals_full_forward_argmax(model):
             assert out.ids[i, n - 1] == 60 and (out.ids[i, n:] == 0).all()
 
 
-def test_sampled_logps_are_the_policy_at_the_temperature(model):
+def test_sampled_logps_are_those_of_the_truncated_distribution(model):
+    """The sampler's log-probs under min-p, top-k and top-p are the log-prob op's with the same
+    options (the distribution the tokens were drawn from), below the untruncated ones."""
     out = generate(model, PROMPTS[:2], num_generations=3, max_new_tokens=6, temperature=0.7,
-                   top_k=20, top_p=0.9, eos_ids=[60], seed=4)
+                   top_k=20, top_p=0.9, min_p=0.01, eos_ids=[60], seed=4)
     assert out.ids.shape == (6, 6)
     for r in range(6):
         prompt = PROMPTS[r // 3]
         n = int(out.mask[r].sum())
         seq = list(prompt) + list(out.ids[r, :n])
-        logits = model(jnp.asarray([seq]))[0] / 0.7
-        lp = jax.nn.log_softmax(logits, axis=-1)
-        want = [float(lp[len(prompt) - 1 + j, seq[len(prompt) + j]]) for j in range(n)]
-        np.testing.assert_allclose(out.logps[r, :n], want, atol=1e-4)
+        logits = model(jnp.asarray([seq]))[:, len(prompt) - 1:len(seq) - 1]
+        ids = jnp.asarray([seq[len(prompt):]])
+        want, outside = token_logps(logits, ids, temperature=0.7, top_k=20, top_p=0.9,
+                                    min_p=0.01, impl="reference", return_outside=True)
+        np.testing.assert_allclose(out.logps[r, :n], want[0], atol=1e-4)
+        assert not bool(outside.any())  # every drawn token is in the kept set
+        plain = token_logps(logits, ids, temperature=0.7, impl="reference")
+        assert bool(jnp.all(want >= plain - 1e-6))
     # generations of one prompt differ (sampling), same seed reproduces
     again = generate(model, PROMPTS[:2], num_generations=3, max_new_tokens=6, temperature=0.7,
                      top_k=20, top_p=0.9, eos_ids=[60], seed=4)

@@ -18,6 +18,19 @@ def test_defaults_and_round_trip():
     lc = c.loss_config()
     assert lc.temperature == c.rollout.temperature
     assert lc.max_completion_length == c.rollout.max_new_tokens
+    assert (lc.top_k, lc.top_p, lc.min_p) == (None, None, None)
+
+
+def test_the_loss_takes_the_samplers_truncation_off_a_mesh():
+    """rollout.top_k / top_p / min_p reach the loss (and so the log-prob passes) on one
+    device; a mesh's sharded ops take none, so there the loss keeps the whole vocabulary."""
+    rollout = {"top_k": 20, "top_p": 0.9, "min_p": 0.05}
+    lc = TrainConfig.from_dict({"rollout": rollout}).loss_config()
+    assert (lc.top_k, lc.top_p, lc.min_p) == (20, 0.9, 0.05)
+    meshed = TrainConfig.from_dict({"rollout": rollout, "mesh": {"shape": {"dp": 1}}})
+    assert meshed.loss_config().top_k is None
+    whole = TrainConfig.from_dict({"rollout": rollout, "loss": {"truncation": False}})
+    assert (whole.loss_config().top_k, whole.rollout.top_k) == (None, 20)
 
 
 @pytest.mark.parametrize("values, key", [
@@ -29,6 +42,10 @@ def test_defaults_and_round_trip():
     ({"rollout": {"num_generations": 1, "batch_size": 4}}, "rollout.num_generations"),
     ({"rollout": {"temperature": 0}}, "rollout.temperature"),
     ({"rollout": {"top_p": 1.5}}, "rollout.top_p"),
+    ({"rollout": {"top_k": 0}}, "rollout.top_k"),
+    ({"rollout": {"min_p": -0.5}}, "rollout.min_p"),
+    ({"loss": {"truncation": "yes"}}, "loss.truncation"),
+    ({"loss": {"options": {"top_k": 5}}}, "loss.options.top_k"),
     ({"rollout": {"batch_size": 8}, "train": {"micro_batch_size": 3}}, "train.micro_batch_size"),
     ({"loss": {"impl": "fast"}}, "loss.impl"),
     ({"loss": {"options": {"loss_type": "ppo"}}}, "loss.options"),

@@ -6,11 +6,12 @@ a multiple of ``PROMPT_BUCKET`` tokens, are prefilled in one forward that writes
 and every new token) until every row has produced an end token or ``max_new_tokens`` are done.
 
 Sampling at step ``i`` with logits ``z``: ``temperature == 0`` is greedy; otherwise ``z / T``,
-restricted to the ``top_k`` largest and then to the smallest set of tokens whose probability
-reaches ``top_p`` (ties at either boundary kept whole; :mod:`grpo_kernels.ops.core.truncation`),
-is sampled. The returned log-prob of each token is
-``log_softmax(z / T)[token]`` (``T = 1`` when greedy) of the unrestricted distribution: the
-policy log-prob GRPO uses as ``old_logps`` at that temperature.
+restricted by ``min_p``, then to the ``top_k`` largest, then to the smallest set of tokens whose
+probability reaches ``top_p`` (vLLM's order; ties kept whole:
+:mod:`grpo_kernels.ops.core.truncation`, the truncation the log-prob ops and the losses compute),
+is sampled. The returned log-prob of each token is that of the distribution it was drawn from:
+``log_softmax`` of the restricted ``z / T`` (vLLM's processed log-probs; the policy's own when
+nothing is restricted; ``T = 1`` when greedy).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Generation:
     logps: np.ndarray
 
 
-def _check(prompts, num_generations, max_new_tokens, temperature, top_k, top_p, eos_ids):
+def _check(prompts, num_generations, max_new_tokens, temperature, eos_ids):
     if not prompts or not all(isinstance(p, (list, tuple, np.ndarray)) and len(p) for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token id lists")
     for name, value in (("num_generations", num_generations), ("max_new_tokens", max_new_tokens)):
@@ -57,38 +58,34 @@ def _check(prompts, num_generations, max_new_tokens, temperature, top_k, top_p, 
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if not (isinstance(temperature, (int, float)) and temperature >= 0):
         raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if top_p is not None and not (0 < top_p <= 1):
-        raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
     if not eos_ids:
         raise ValueError("eos_ids must name at least one end token id")
 
 
-def _filter(z: Array, top_k: int | None, top_p: float | None) -> Array:
-    """``z [N, V]`` with tokens outside the top-k / top-p sets at ``-inf``: the truncation
-    the log-prob ops compute for the loss (:mod:`grpo_kernels.ops.core.truncation`), so the
-    two describe one distribution."""
-    trunc = Truncation(top_k=top_k, top_p=top_p)
+def _filter(z: Array, trunc: Truncation) -> Array:
+    """``z [N, V]`` with the tokens the truncation drops at ``-inf``: the floor the log-prob
+    ops and the losses compute (:mod:`grpo_kernels.ops.core.truncation`), so the two describe
+    one distribution."""
     if not trunc.active(z.shape[-1]):
         return z
     return jnp.where(z >= support_floor(z, trunc)[:, None], z, -jnp.inf)
 
 
-def _choose(z: Array, key: Array, temperature: float, top_k, top_p) -> tuple[Array, Array]:
-    """``(token [N], log-prob [N])`` from float32 logits ``z [N, V]``."""
+def _choose(z: Array, key: Array, temperature: float, trunc: Truncation) -> tuple[Array, Array]:
+    """``(token [N], log-prob [N])`` from float32 logits ``z [N, V]``: the log-prob of the
+    distribution the token was drawn from."""
     if temperature == 0:
         token = jnp.argmax(z, axis=-1)
         logp = jax.nn.log_softmax(z, axis=-1)
     else:
-        scaled = z / temperature
-        logp = jax.nn.log_softmax(scaled, axis=-1)
-        token = jax.random.categorical(key, _filter(scaled, top_k, top_p), axis=-1)
+        kept = _filter(z / temperature, trunc)
+        logp = jax.nn.log_softmax(kept, axis=-1)
+        token = jax.random.categorical(key, kept, axis=-1)
     return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
 
-def _program(graphdef, max_new: int, temperature: float, top_k, top_p, eos: tuple[int, ...],
-             pad_id: int):
+def _program(graphdef, max_new: int, temperature: float, trunc: Truncation,
+             eos: tuple[int, ...], pad_id: int):
     """The compiled prefill + decode loop for one shape (see the module docstring)."""
 
     def run(state, prompt, prompt_mask, key):
@@ -112,7 +109,7 @@ def _program(graphdef, max_new: int, temperature: float, top_k, top_p, eos: tupl
         def body(carry):
             i, logits, cache, kv_mask, key, done, out, logps = carry
             key, sub = jax.random.split(key)
-            token, logp = _choose(logits, sub, temperature, top_k, top_p)
+            token, logp = _choose(logits, sub, temperature, trunc)
             token = jnp.where(done, pad_id, token)
             out = out.at[:, i].set(token)
             logps = logps.at[:, i].set(jnp.where(done, 0.0, logp))
@@ -135,8 +132,8 @@ TRACES: dict[str, int] = {"count": 0}  # how many times a sampling program was t
 
 def generate(model: Decoder, prompts: Sequence[Sequence[int]], *, num_generations: int = 1,
              max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-             top_p: float | None = None, eos_ids: Sequence[int], pad_id: int = 0,
-             seed: int = 0) -> Generation:
+             top_p: float | None = None, min_p: float | None = None,
+             eos_ids: Sequence[int], pad_id: int = 0, seed: int = 0) -> Generation:
     """Samples ``num_generations`` completions of each prompt (token id lists).
 
     Args:
@@ -148,6 +145,8 @@ def generate(model: Decoder, prompts: Sequence[Sequence[int]], *, num_generation
       top_k: Sample among the ``top_k`` likeliest tokens only (``None``: all).
       top_p: Sample from the smallest set of likeliest tokens whose probability reaches
         ``top_p`` (``None``: all).
+      min_p: Sample among the tokens of probability at least ``min_p`` times the likeliest
+        one's (``None``: all).
       eos_ids: Token ids that end a completion (kept in it, with mask 1).
       pad_id: Id written after the end.
       seed: PRNG seed.
@@ -157,7 +156,8 @@ def generate(model: Decoder, prompts: Sequence[Sequence[int]], *, num_generation
       up to PROMPT_BUCKET, max_new_tokens, sampling settings)``: calls with prompts of other
       lengths in the same bucket do not recompile.
     """
-    _check(prompts, num_generations, max_new_tokens, temperature, top_k, top_p, eos_ids)
+    _check(prompts, num_generations, max_new_tokens, temperature, eos_ids)
+    trunc = Truncation(top_k=top_k, top_p=top_p, min_p=min_p)  # ValueError naming the option
     rows = [list(map(int, p)) for p in prompts for _ in range(num_generations)]
     context = model.config.max_position_embeddings
     longest = max(len(r) for r in rows)
@@ -172,7 +172,7 @@ def generate(model: Decoder, prompts: Sequence[Sequence[int]], *, num_generation
         prompt[i, width - len(r):] = r
         prompt_mask[i, width - len(r):] = 1
     graphdef, state = nnx.split(model)
-    key = (graphdef, max_new_tokens, float(temperature), top_k, top_p,
+    key = (graphdef, max_new_tokens, float(temperature), trunc,
            tuple(int(e) for e in eos_ids), int(pad_id))
     if key not in _PROGRAMS:
         _PROGRAMS[key] = _program(*key)

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.rl.schema import build, fail, plain, set_dotted
+from grpo_kernels.rl.sections_model import ModelSection, RandomModelSection
 from grpo_kernels.rl.sections import (
     LOSS_HEADS,
     LOSS_IMPLS,
@@ -20,18 +21,17 @@ from grpo_kernels.rl.sections import (
     LoggingSection,
     LossSection,
     MeshSection,
-    ModelSection,
     OptimSection,
-    RandomModelSection,
     RewardFunction,
     RewardsSection,
     RolloutSection,
     TrainSection,
 )
 
-# GRPOLossConfig fields the trainer sets itself: the loss sees the sampling temperature, and
-# dr_grpo's length is the rollout's max_new_tokens.
-DERIVED_LOSS_FIELDS = ("temperature", "max_completion_length")
+# GRPOLossConfig fields the trainer sets itself: the loss sees the sampling temperature and
+# truncation (the distribution the sampler drew from; not on a mesh, whose sharded ops take
+# none), and dr_grpo's length is the rollout's max_new_tokens.
+DERIVED_LOSS_FIELDS = ("temperature", "max_completion_length", "top_k", "top_p", "min_p")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,16 +62,20 @@ class TrainConfig:
                      f"divisible by the {shards} batch shards of mesh {dict(self.mesh.shape)}")
 
     def loss_config(self) -> GRPOLossConfig:
-        """The GRPOLossConfig of ``loss.options`` with the rollout's temperature and length."""
+        """The GRPOLossConfig of ``loss.options`` with the rollout's temperature, length and
+        (without a mesh, and with ``loss.truncation``) truncation."""
         options = dict(self.loss.options)
         for name in DERIVED_LOSS_FIELDS:
             if name in options:
                 fail(f"loss.options.{name}", "is set by the trainer (rollout.temperature, "
-                     "rollout.max_new_tokens); remove it")
+                     "rollout.max_new_tokens, rollout.top_k / top_p / min_p); remove it")
+        r = self.rollout
+        trunc = {} if self.mesh.shape is not None or not self.loss.truncation else dict(
+            top_k=r.top_k, top_p=r.top_p, min_p=r.min_p)
         try:
             return GRPOLossConfig.from_dict({
-                **options, "temperature": float(self.rollout.temperature),
-                "max_completion_length": self.rollout.max_new_tokens})
+                **options, "temperature": float(r.temperature),
+                "max_completion_length": r.max_new_tokens, **trunc})
         except (ValueError, TypeError) as e:
             raise ValueError(f"loss.options: {e}") from None
 

@@ -54,7 +54,10 @@ from grpo_kernels.ops.logits_loss import grpo_loss
 from grpo_kernels.ops.logps import token_logps, token_logps_from_hidden
 
 Array = jax.Array
-METRIC_NAMES = ("kl", "entropy", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region")
+# outside_truncation: the share of tokens the sampler's truncation would have dropped (0 with
+# none), a token-weighted mean as the others.
+METRIC_NAMES = ("kl", "entropy", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region",
+                "outside_truncation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +190,9 @@ def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig
                                 prompt_width=prompt_width, num_items=num_items, mesh=mesh,
                                 sharding=sharding, options=options,
                                 logits_dtype=logits_dtype)
-        keep = {name: metrics[name] for name in METRIC_NAMES}
+        keep = {name: metrics[name] for name in METRIC_NAMES[:-1]}
+        keep["outside_truncation"] = metrics.get("outside_truncation", 0.0) / jnp.maximum(
+            jnp.sum(mb["mask"].astype(jnp.float32)), 1.0)
         return scale * loss, keep
 
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
@@ -197,7 +202,8 @@ def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig
         return jax.lax.stop_gradient(completion_logps(
             model, mb, head=head, impl=impl, prompt_width=prompt_width,
             temperature=config.temperature, mesh=mesh, sharding=sharding, options=options,
-            logits_dtype=logits_dtype))
+            logits_dtype=logits_dtype, top_k=config.top_k, top_p=config.top_p,
+            min_p=config.min_p))
 
     return grad_fn, logp_fn
 
@@ -205,14 +211,17 @@ def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig
 def completion_logps(model: Any, mb: dict[str, Any], *, head: str, impl: str,
                      prompt_width: int, temperature: float, mesh: Any = None,
                      sharding: Any = None, options: Any = None,
-                     logits_dtype: Any = jnp.float32) -> Array:
+                     logits_dtype: Any = jnp.float32, top_k: int | None = None,
+                     top_p: float | None = None, min_p: float | None = None) -> Array:
     """The completion tokens' log-probs ``[M, C]`` under ``model`` (the reference and
     old-policy passes), by the forward-only op of the same head and implementation as the
     loss: :func:`grpo_kernels.token_logps_from_hidden` for ``fused`` (no ``[M, C, V]``),
     :func:`grpo_kernels.token_logps` of ``model.logits`` for ``logits``; on a mesh their
-    sharded versions. The same numbers as the loss's ``logp`` metric."""
+    sharded versions. The same numbers as the loss's ``logp`` metric: under the sampler's
+    truncation ``top_k`` / ``top_p`` / ``min_p`` when given (one device only)."""
     targets = mb["ids"][:, prompt_width:]
-    extra = {} if mesh is None else dict(mesh=mesh, sharding=sharding)
+    extra = dict(top_k=top_k, top_p=top_p, min_p=min_p) if mesh is None else dict(
+        mesh=mesh, sharding=sharding)
     if head == "fused":
         from grpo_kernels.sharding import sharded_token_logps_from_hidden
 

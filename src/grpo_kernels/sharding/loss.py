@@ -34,6 +34,7 @@ from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective.segments import Segments
 from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.ops.core.online_softmax import soft_cap
+from grpo_kernels.ops.core.truncation import refuse_truncation
 from grpo_kernels.ops.core.validate import (check_ids_in_range, check_softcap, resolve_impl,
                                             validate_token_inputs)
 from grpo_kernels.ops.core.vjp import with_softmax_gradient
@@ -301,6 +302,7 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
     validate_token_inputs(logits, ids, mask, advantages, config, old_logps, ref_logps,
                           sampler_weights, sampler_logps, segments)
     b, _, vocab = logits.shape
+    refuse_truncation(config, vocab, "sharded_grpo_loss")
     spec = resolve(sharding, mesh, b, vocab, "logits")
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
     softcap = check_softcap(logit_softcap)
@@ -382,6 +384,7 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
                                  ref_logps, lm_head_layout, bias, logits_dtype,
                                  sampler_weights, sampler_logps, logit_softcap, segments)
     vocab = fmt.vocab(lm_head)
+    refuse_truncation(config, vocab, "sharded_grpo_loss_from_hidden")
     spec = head_spec(resolve(sharding, mesh, hidden.shape[0], vocab, "hidden/lm_head"), mesh,
                      impl, hidden.shape[-1])
     if check_ids:

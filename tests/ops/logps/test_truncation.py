@@ -77,11 +77,11 @@ def _oracle_of(s, ids, tr):
 
 
 # Every truncation through xla, the logits' dtype alternating; the reference (whose floors
-# test_floors checks) with the three options together and with top-p's floor alone.
+# test_floors checks) with the three options together.
 CASES = [("xla", tr, ("float32", "bfloat16")[i % 2]) for i, tr in enumerate(TRUNCATIONS)] + [
-    ("reference", TRUNCATIONS[3], "bfloat16"), ("reference", TRUNCATIONS[1], "float32")]
+    ("reference", TRUNCATIONS[3], "bfloat16")]
 HEAD_CASES = [("xla", tr, ("tokens", "vocab")[i % 2]) for i, tr in enumerate(TRUNCATIONS)] + [
-    ("xla", TRUNCATIONS[3], "tokens"), ("reference", TRUNCATIONS[3], "tokens")]
+    ("reference", TRUNCATIONS[3], "tokens")]
 
 
 @pytest.mark.parametrize("impl,tr,dtype", CASES,
@@ -123,7 +123,7 @@ def test_hidden_path_equals_the_oracle(impl, tr, dweight):
     b, t, hdim, v = 2, 5, 16, 300
     k1, k2 = jax.random.split(jax.random.key(3))
     h = jax.random.normal(k1, (b, t, hdim))
-    w_head = 2 * jax.random.normal(k2, (hdim, v))
+    w_head = 0.5 * jax.random.normal(k2, (hdim, v))  # logits of std 2: many tokens count
     ids = jnp.asarray(np.random.default_rng(4).integers(0, v, (b, t)))
     wts = jnp.asarray(np.random.default_rng(5).normal(size=(b, t)), jnp.float32)
     opts = LmHeadBlockSizes(chunk_tokens=4, dweight=dweight) if impl == "xla" else None
@@ -192,3 +192,82 @@ def test_bad_options_are_named(kw, match):
     z = jnp.ones((1, 2, 8))
     with pytest.raises(ValueError, match=match):
         token_logps(z, jnp.zeros((1, 2), jnp.int32), **kw)
+
+
+# The losses: GRPOLossConfig's top_k / top_p / min_p, xla against the reference (whose log-probs
+# the oracle checks here), token level (the fused head's one pass) and sequence level (its two
+# passes), both dweight modes, values, the outside count and gradients.
+LOSS_CASES = [("token", TRUNCATIONS[3], "vocab"), ("sequence", TRUNCATIONS[1], "vocab"),
+              ("sequence", TRUNCATIONS[0], "tokens")]
+
+
+@pytest.mark.parametrize("level,tr,dweight", LOSS_CASES,
+                         ids=[f"{lv}-{_tid(t)}-{d}" for lv, t, d in LOSS_CASES])
+def test_losses_take_the_truncation(level, tr, dweight):
+    from grpo_kernels import GRPOLossConfig, grpo_loss, grpo_loss_from_hidden
+
+    b, t, hdim, v = 2, 5, 16, 300
+    cfg = GRPOLossConfig(importance_sampling_level=level, beta=0.04, temperature=TAU,
+                         top_k=tr.top_k, top_p=tr.top_p, min_p=tr.min_p)
+    k = jax.random.split(jax.random.key(11), 5)
+    h = jax.random.normal(k[0], (b, t, hdim))
+    w_head = 0.5 * jax.random.normal(k[1], (hdim, v))
+    ids = jnp.asarray(np.random.default_rng(12).integers(0, v, (b, t)))
+    mask = jnp.ones((b, t)).at[1, 4].set(0.0)
+    adv = jax.random.normal(k[2], (b,))
+    old = -3.0 + 0.3 * jax.random.normal(k[3], (b, t))
+    ref = -3.0 + 0.3 * jax.random.normal(k[4], (b, t))
+    kw = dict(old_logps=old, ref_logps=ref)
+
+    def logits_loss(z, impl):
+        return grpo_loss(z, ids, mask, adv, config=cfg, impl=impl,
+                         options=XlaBlockSizes(chunk_tokens=3) if impl == "xla" else None, **kw)
+
+    def head_loss(h, w, impl):
+        opts = LmHeadBlockSizes(chunk_tokens=4, dweight=dweight) if impl == "xla" else None
+        return grpo_loss_from_hidden(h, w, ids, mask, adv, config=cfg, impl=impl,
+                                     options=opts, **kw)
+
+    z = jnp.einsum("bth,hv->btv", h, w_head)
+    want = {}
+    for impl in ("reference", "xla"):
+        (loss, m), g = jax.jit(jax.value_and_grad(lambda z: logits_loss(z, impl),
+                                                  has_aux=True))(z)
+        (hloss, hm), hg = jax.jit(jax.value_and_grad(lambda h, w: head_loss(h, w, impl),
+                                                     argnums=(0, 1), has_aux=True))(h, w_head)
+        got = (loss, m["logp"], m["outside_truncation"], g, hloss, hm["logp"],
+               hm["outside_truncation"], *hg)
+        for x in got:
+            assert np.isfinite(np.asarray(x)).all()
+        want.setdefault("reference", got)
+        for i, (a, r) in enumerate(zip(got, want["reference"])):
+            assert rel_err(a, r) <= 1e-5, (impl, i, rel_err(a, r))
+    logp, _, _, outside, _ = truncated_oracle(np.asarray(z, np.float64).reshape(b * t, v) / TAU,
+                                              np.asarray(ids).reshape(-1), tr.top_k, tr.top_p,
+                                              tr.min_p)
+    np.testing.assert_allclose(np.asarray(want["reference"][1]).reshape(-1), logp, rtol=1e-5,
+                               atol=1e-5)
+    assert float(want["reference"][2]) == (outside.reshape(b, t) * np.asarray(mask)).sum() > 0
+
+
+def test_where_no_truncation_runs_it_is_refused_by_name():
+    """The loss's Pallas kernels, the fused head's xla quantile pass and the sharded losses
+    raise a ValueError that names what does not take the options; ``impl="auto"`` takes xla."""
+    from grpo_kernels import GRPOLossConfig, grpo_loss, grpo_loss_from_hidden
+    from grpo_kernels.sharding import ShardingSpec, sharded_grpo_loss
+
+    cfg = GRPOLossConfig(top_k=5)
+    z, ids = jax.random.normal(jax.random.key(0), (2, 3, 40)), jnp.zeros((2, 3), jnp.int32)
+    mask, adv = jnp.ones((2, 3)), jnp.ones((2,))
+    with pytest.raises(ValueError, match="impl='pallas' does not truncate"):
+        grpo_loss(z, ids, mask, adv, config=cfg, impl="pallas")
+    _, m = grpo_loss(z, ids, mask, adv, config=cfg)  # auto
+    fifth = np.sort(np.asarray(z), axis=-1)[..., -5]
+    assert float(m["outside_truncation"]) == float((np.asarray(z)[..., 0] < fifth).sum())
+    with pytest.raises(ValueError, match="quantile"):
+        grpo_loss_from_hidden(z, jnp.ones((40, 7)), ids, mask, adv, impl="xla",
+                              config=GRPOLossConfig(top_p=0.5, top_entropy_quantile=0.5))
+    mesh = jax.make_mesh((1,), ("dp",))
+    with pytest.raises(ValueError, match="sharded_grpo_loss does not take"):
+        sharded_grpo_loss(z, ids, mask, adv, mesh=mesh, sharding=ShardingSpec("dp"),
+                          config=cfg)

@@ -35,11 +35,12 @@ values, 33 masked sums over the row.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from grpo_kernels.config import check_sampler_truncation
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -66,18 +67,7 @@ class Truncation:
     min_p: float | None = None
 
     def __post_init__(self) -> None:
-        k = self.top_k
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"top_k must be None or an int >= 1, got {k!r}")
-        for name, lo_open in (("top_p", True), ("min_p", False)):
-            x = getattr(self, name)
-            if x is None:
-                continue
-            ok = (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-                  and (0 < x if lo_open else 0 <= x) and x <= 1)
-            if not ok:
-                interval = "(0, 1]" if lo_open else "[0, 1]"
-                raise ValueError(f"{name} must be None or a number in {interval}, got {x!r}")
+        check_sampler_truncation(self.top_k, self.top_p, self.min_p)
 
     def active(self, vocab: int) -> bool:
         """Whether any of the three can drop a token of a ``vocab``-wide row."""
@@ -89,6 +79,39 @@ class Truncation:
 def truncation_of(top_k: Any = None, top_p: Any = None, min_p: Any = None) -> Truncation:
     """The checked :class:`Truncation` of the keyword arguments of the log-prob functions."""
     return Truncation(top_k, top_p, min_p)
+
+
+def config_truncation(config: Any, vocab: int) -> Truncation | None:
+    """The truncation a loss config (``top_k``, ``top_p``, ``min_p``) asks for over a
+    ``vocab``-wide row, or None when it drops nothing."""
+    trunc = Truncation(config.top_k, config.top_p, config.min_p)
+    return trunc if trunc.active(vocab) else None
+
+
+def truncation_impl(impl: str, requested: str) -> str:
+    """The implementation that computes a truncation: ``impl="auto"`` resolved to
+    ``pallas`` becomes ``xla``; ``pallas`` asked for by name is a ValueError (its kernels take
+    no floor)."""
+    if impl != "pallas":
+        return impl
+    if requested != "auto":
+        raise ValueError("top_k / top_p / min_p: impl='pallas' does not truncate; use "
+                         "impl='xla' or 'reference'")
+    return "xla"
+
+
+def refuse_truncation(config: Any, vocab: int, who: str) -> None:
+    """ValueError when a loss config truncates (``top_k`` / ``top_p`` / ``min_p``) where
+    ``who`` does not take a truncation."""
+    if config_truncation(config, vocab) is not None:
+        raise ValueError(f"top_k / top_p / min_p: {who} does not take a sampler's "
+                         "truncation; use grpo_loss or grpo_loss_from_hidden on one device")
+
+
+def outside_count(outside: Array, mask: Array) -> Array:
+    """The number of unmasked tokens a truncation would have dropped (float32): the loss
+    metric ``outside_truncation``."""
+    return jnp.sum(jnp.where((mask > 0) & outside.reshape(mask.shape), 1.0, 0.0))
 
 
 def _key(x: Array) -> Array:
@@ -121,7 +144,7 @@ def _whole_top_k(x: Array, k: int) -> tuple[Array, Array]:
 
 
 def top_k_values(s: Array, k: int, group: int = TOP_K_GROUP) -> Array:
-    """The ``k`` largest values of each row of ``s [..., V]``, descending (ties repeated).
+    r"""The ``k`` largest values of each row of ``s [..., V]``, descending (ties repeated).
 
     In two stages: the row's maxima over groups of ``group`` columns, the ``k`` groups of the
     largest maxima, and the ``k`` largest of their ``k * group`` values. Exact: with

@@ -10,7 +10,8 @@ import jax
 
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective.batch import TokenBatch
-from grpo_kernels.ops.core.reference import token_logp_and_entropy
+from grpo_kernels.ops.core.reference import token_logp_and_entropy, truncated_token_logps
+from grpo_kernels.ops.core.truncation import config_truncation, outside_count
 from grpo_kernels.ops.lm_head_loss.head import HeadFormat, head_logits
 
 Array = jax.Array
@@ -22,6 +23,14 @@ def reference_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None,
     """GRPO loss of :func:`head_logits` with float32 statistics; plain autodiff."""
     del options
     logits = head_logits(hidden, lm_head, fmt.layout, bias, fmt.logits_dtype)
-    logp, entropy = token_logp_and_entropy(logits, batch.ids, config.temperature, fmt.softcap)
+    trunc = config_truncation(config, logits.shape[-1])
+    if trunc is None:
+        logp, entropy = token_logp_and_entropy(logits, batch.ids, config.temperature,
+                                               fmt.softcap)
+    else:
+        logp, entropy, outside = truncated_token_logps(logits, batch.ids, config.temperature,
+                                                       fmt.softcap, trunc)
     loss, metrics, _ = batch.loss(logp, entropy, config, with_grad=False)
+    if trunc is not None:
+        metrics["outside_truncation"] = outside_count(outside, batch.mask)
     return loss, metrics

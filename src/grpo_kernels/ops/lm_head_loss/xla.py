@@ -58,7 +58,7 @@ from grpo_kernels.objective import (
 from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import common_dtype
 from grpo_kernels.ops.core.platform import by_platform
-from grpo_kernels.ops.core.truncation import Truncation
+from grpo_kernels.ops.core.truncation import Truncation, config_truncation, outside_count
 from grpo_kernels.ops.core.vjp import loss_with_gradient, scale_by_cotangent
 from grpo_kernels.ops.lm_head_loss.head import HeadFormat
 from grpo_kernels.ops.lm_head_loss.xla_plan import (LmHeadBlockSizes, dweight_rows,
@@ -149,6 +149,10 @@ def xla_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: T
     plan = _planner(b * t, hdim, fmt.vocab(lm_head), blocks)
     by_vocab = blocks.dweight == "vocab"
     tau = config.temperature
+    trunc = config_truncation(config, fmt.vocab(lm_head))
+    if trunc is not None and config.top_entropy_quantile < 1:
+        raise ValueError("top_entropy_quantile < 1 with top_k / top_p / min_p: the fused "
+                         "head's xla path does not take both; use impl='reference'")
 
     def planned_forward(p: _Plan, primals, batch, with_grad):
         rows = p.rows
@@ -161,20 +165,23 @@ def xla_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: T
             quantile = QuantilePass.estimate(h, ids, head, tau, rows, batch, config)
             grad_fn = quantile.grad_fn
             then = quantile.correction(h, ids, head, tau, _correction_rows(rows), p.dw_rows)
-        (logp, lse, ent), grads = head_sweep(h, ids, head, tau, rows, grad_fn, p.dw_rows,
-                                             dweight=not by_vocab, then=then)
+        stats, grads = head_sweep(h, ids, head, tau, rows, grad_fn, p.dw_rows,
+                                  dweight=not by_vocab, then=then, trunc=trunc)
+        (logp, lse, ent), floor = stats[:3], (stats[3] if trunc is not None else None)
         loss, metrics, row = batch.loss(logp.reshape(b, t), ent.reshape(b, t), config,
                                         with_grad=with_grad and grads is None)
+        if trunc is not None:
+            metrics["outside_truncation"] = outside_count(stats[4], batch.mask)
         if row is not None:  # not token-separable: a second pass with the gradient known
             row = row.map(lambda x: x.reshape(-1))
             _, grads = head_sweep(h, ids, head, tau, rows, _given_grad_fn(row), p.dw_rows,
-                                  dweight=not by_vocab)
+                                  dweight=not by_vocab, floor=floor)
         elif grads is not None and by_vocab:
             row = grad_fn(0, b * t, logp) if quantile is None else quantile.exact(logp, ent)
             row = row if row.h is None else row._replace(entropy=ent)
         if grads is None or not by_vocab:
             return (loss, metrics), None if grads is None else _cast_grads(primals, *grads)
-        return (loss, metrics), (grads[0], primals, ids, lse, row)
+        return (loss, metrics), (grads[0], primals, ids, lse, row, floor)
 
     def forward(primals, batch, with_grad):
         return by_platform(lambda p, *a: planned_forward(p, *a, with_grad), plan, primals, batch)
@@ -183,11 +190,12 @@ def xla_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: T
         # dW and db in the backward, so that the vocabulary pass writes the returned gradient
         # itself: formed in the forward, it would be a weight-sized residual and the
         # cotangent's product a second weight-sized array.
-        dh, primals, ids, lse, row = residuals
+        dh, primals, ids, lse, row, floor = residuals
         h, head = _rows_and_head(*primals, fmt, p.cpu)
         dh, = scale_by_cotangent((dh,), cotangent)
         return _cast_grads(primals, dh, *vocab_sweep(h, ids, head, tau, lse,
-                                                     row.scaled(cotangent), p.cols)[:2])
+                                                     row.scaled(cotangent), p.cols,
+                                                     floor=floor)[:2])
 
     def vocab_backward(residuals, cotangent):
         return by_platform(planned_vocab_backward, plan, residuals, cotangent)

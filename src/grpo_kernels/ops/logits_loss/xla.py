@@ -49,7 +49,8 @@ from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stat
 from grpo_kernels.ops.core.online_softmax import soft_cap, softmax_grad, with_cap_grad
 from grpo_kernels.ops.core.options import check_int
 from grpo_kernels.ops.core.platform import by_platform
-from grpo_kernels.ops.core.truncation import (Truncation, keep_mask, listed_stats, outside,
+from grpo_kernels.ops.core.truncation import (Truncation, config_truncation, keep_mask,
+                                              listed_stats, outside, outside_count,
                                               support_floor, truncate)
 from grpo_kernels.ops.core.vjp import loss_with_gradient
 
@@ -299,12 +300,22 @@ def _forward(logits, batch: TokenBatch, with_grad: bool, *, config: GRPOLossConf
              ) -> tuple[tuple[Array, dict[str, Array]], Array | None]:
     b, t, vocab = logits.shape
     ids = batch.clamped_ids(vocab)
-    logp, lse, entropy = row_statistics(logits, ids.reshape(-1), config.temperature, blocks,
-                                        softcap=softcap)
-    logp, lse, entropy = logp.reshape(b, t), lse.reshape(b, t), entropy.reshape(b, t)
+    trunc = config_truncation(config, vocab)
+    floor = None
+    if trunc is None:
+        stats = row_statistics(logits, ids.reshape(-1), config.temperature, blocks,
+                               softcap=softcap)
+    else:
+        *stats, floor, dropped = truncated_statistics(logits, ids.reshape(-1),
+                                                      config.temperature, trunc, blocks,
+                                                      softcap)
+        floor = floor.reshape(b, t)
+    logp, lse, entropy = (x.reshape(b, t) for x in stats)
     loss, metrics, grad = batch.loss(logp, entropy, config, with_grad)
+    if trunc is not None:
+        metrics["outside_truncation"] = outside_count(dropped, batch.mask)
     dlogits = None if grad is None else logits_gradient(logits, ids, lse, grad,
-                                                        config.temperature, softcap)
+                                                        config.temperature, softcap, floor)
     return (loss, metrics), dlogits
 
 

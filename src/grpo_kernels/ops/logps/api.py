@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.ops.core.reference import token_logp_and_entropy, truncated_token_logps
-from grpo_kernels.ops.core.truncation import Truncation, truncation_of
+from grpo_kernels.ops.core.truncation import Truncation, truncation_impl, truncation_of
 from grpo_kernels.ops.core.validate import (check_ids_in_range, check_shape, check_softcap,
                                             resolve_impl, shape_of)
 from grpo_kernels.ops.core.vjp import with_softmax_gradient
@@ -105,12 +105,7 @@ def check_truncation(impl: str, requested: str, vocab: int, top_k: Any, top_p: A
         raise ValueError(f"return_outside must be a bool, got {return_outside!r}")
     if not trunc.active(vocab):
         return None, impl
-    if impl == "pallas":
-        if requested != "auto":
-            raise ValueError("top_k / top_p / min_p: impl='pallas' does not truncate; use "
-                             "impl='xla' or 'reference'")
-        impl = "xla"
-    return trunc, impl
+    return trunc, truncation_impl(impl, requested)
 
 
 def _results(logp: Array, ent: Array, outside: Array | None, return_entropy: bool,
