@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_kernels.models.decoder import Decoder, positions_from_mask
-from grpo_kernels.ops.core.truncation import Truncation, support_floor
+from grpo_kernels.ops.core.truncation import Truncation, support_floor, truncate
 
 Array = jax.Array
 PROMPT_BUCKET = 64
@@ -68,7 +68,7 @@ def _filter(z: Array, trunc: Truncation) -> Array:
     one distribution."""
     if not trunc.active(z.shape[-1]):
         return z
-    return jnp.where(z >= support_floor(z, trunc)[:, None], z, -jnp.inf)
+    return truncate(z, support_floor(z, trunc), False)
 
 
 def _choose(z: Array, key: Array, temperature: float, trunc: Truncation) -> tuple[Array, Array]:

@@ -18,28 +18,32 @@ def token_logp_and_entropy(logits: Array, ids: Array, temperature: float,
 
     Ids outside ``[0, V)`` are clamped into range (see ``docs/loss.md``).
     """
-    vocab = logits.shape[-1]
-    scaled = soft_cap(logits.astype(jnp.float32), softcap) / temperature
-    ids = jnp.clip(ids.astype(jnp.int32), 0, vocab - 1)
-    return _logp_and_entropy(scaled, ids)
+    return _logp_and_entropy(*_scaled(logits, ids, temperature, softcap))
 
 
 def truncated_token_logps(logits: Array, ids: Array, temperature: float,
-                          softcap: float | None, trunc: Truncation
-                          ) -> tuple[Array, Array, Array]:
+                          softcap: float | None, trunc: Truncation | None
+                          ) -> tuple[Array, Array, Array | None]:
     """``(logp, entropy, outside)`` of the sampler's truncated distribution
     (:mod:`.truncation`): the floor of each row found by sorting it whole, the row's entries
     below it (but the chosen one) at ``-inf``, then :func:`token_logp_and_entropy`'s
     ``log_softmax``; ``outside`` marks the ids below their floor. The floor is a constant of
-    the gradient."""
-    vocab = logits.shape[-1]
-    scaled = soft_cap(logits.astype(jnp.float32), softcap) / temperature
-    ids = jnp.clip(ids.astype(jnp.int32), 0, vocab - 1)
+    the gradient. ``trunc=None``: :func:`token_logp_and_entropy` and ``outside`` None."""
+    if trunc is None:
+        return (*token_logp_and_entropy(logits, ids, temperature, softcap), None)
+    scaled, ids = _scaled(logits, ids, temperature, softcap)
     floor = jax.lax.stop_gradient(support_floor(jax.lax.stop_gradient(scaled), trunc,
                                                 by_sorting=True))
     hit = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1) == ids[..., None]
     chosen = jnp.take_along_axis(jax.lax.stop_gradient(scaled), ids[..., None], axis=-1)
     return (*_logp_and_entropy(truncate(scaled, floor, hit), ids), outside(chosen[..., 0], floor))
+
+
+def _scaled(logits: Array, ids: Array, temperature: float,
+            softcap: float | None) -> tuple[Array, Array]:
+    """The float32 scaled (soft-capped) logits and the ids clamped into ``[0, V)``."""
+    scaled = soft_cap(logits.astype(jnp.float32), softcap) / temperature
+    return scaled, jnp.clip(ids.astype(jnp.int32), 0, logits.shape[-1] - 1)
 
 
 def _logp_and_entropy(scaled: Array, ids: Array) -> tuple[Array, Array]:

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import check_sampler_truncation
+from grpo_kernels.ops.core.online_softmax import finish
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -76,11 +77,6 @@ class Truncation:
                 or (self.min_p is not None and self.min_p > 0))
 
 
-def truncation_of(top_k: Any = None, top_p: Any = None, min_p: Any = None) -> Truncation:
-    """The checked :class:`Truncation` of the keyword arguments of the log-prob functions."""
-    return Truncation(top_k, top_p, min_p)
-
-
 def config_truncation(config: Any, vocab: int) -> Truncation | None:
     """The truncation a loss config (``top_k``, ``top_p``, ``min_p``) asks for over a
     ``vocab``-wide row, or None when it drops nothing."""
@@ -88,16 +84,16 @@ def config_truncation(config: Any, vocab: int) -> Truncation | None:
     return trunc if trunc.active(vocab) else None
 
 
-def truncation_impl(impl: str, requested: str) -> str:
-    """The implementation that computes a truncation: ``impl="auto"`` resolved to
-    ``pallas`` becomes ``xla``; ``pallas`` asked for by name is a ValueError (its kernels take
-    no floor)."""
+def truncation_impl(impl: str, requested: str, options: Any) -> tuple[str, Any]:
+    """``(impl, options)`` that compute a truncation: ``impl="auto"`` resolved to ``pallas``
+    becomes ``xla`` with its default options (the Pallas ones do not apply); ``pallas`` asked
+    for by name is a ValueError (its kernels take no floor)."""
     if impl != "pallas":
-        return impl
+        return impl, options
     if requested != "auto":
         raise ValueError("top_k / top_p / min_p: impl='pallas' does not truncate; use "
                          "impl='xla' or 'reference'")
-    return "xla"
+    return "xla", None
 
 
 def refuse_truncation(config: Any, vocab: int, who: str) -> None:
@@ -280,21 +276,20 @@ def listed_stats(s: Array, chosen: Array, trunc: Truncation) -> tuple[Array, ...
     ey = jnp.where(out, jnp.exp(chosen - m_safe), 0.0)
     total = jnp.sum(e, axis=-1) + extra + ey
     q = (jnp.sum(jnp.where(e > 0, e * u, 0.0), axis=-1)
-         + jnp.where(extra > 0, extra * kth_u, 0.0) + jnp.where(ey > 0, ey * (chosen - m_safe), 0.0))
-    log_total = jnp.log(total)
-    lse = m_safe + log_total
-    return floor, chosen - lse, lse, log_total - q / total, out
+         + jnp.where(extra > 0, extra * kth_u, 0.0)
+         + jnp.where(ey > 0, ey * (chosen - m_safe), 0.0))
+    return (floor, *finish(m_safe, total, q, chosen), out)
 
 
-def keep_mask(s: Array, floor: Array, hit: Array) -> Array:
+def keep_mask(s: Array, floor: Array, hit: Array | bool) -> Array:
     """Where ``s [..., V]`` is kept: at or above the row's ``floor``, or the chosen token
-    (``hit``, a mask of the shape of ``s``)."""
+    (``hit``, a mask of the shape of ``s``; ``False``: none)."""
     return (s >= floor[..., None]) | hit
 
 
-def truncate(s: Array, floor: Array | None, hit: Array) -> Array:
-    """``s`` with the dropped entries at ``-inf`` (:func:`keep_mask`); ``floor=None``: ``s``."""
-    return s if floor is None else jnp.where(keep_mask(s, floor, hit), s, -jnp.inf)
+def truncate(s: Array, floor: Array, hit: Array | bool) -> Array:
+    """``s`` with the dropped entries at ``-inf`` (:func:`keep_mask`)."""
+    return jnp.where(keep_mask(s, floor, hit), s, -jnp.inf)
 
 
 def outside(s_chosen: Array, floor: Array) -> Array:

@@ -200,8 +200,7 @@ def grpo_loss_from_hidden(
                         lm_head_layout, bias, logits_dtype, sampler_weights, sampler_logps,
                         logit_softcap, segments)
     if config_truncation(config, fmt.vocab(lm_head)) is not None:
-        impl = truncation_impl(impl, requested)
-        options = options if impl != "xla" or isinstance(options, LmHeadBlockSizes) else None
+        impl, options = truncation_impl(impl, requested, options)
     if check_ids:
         check_ids_in_range(ids, mask, fmt.vocab(lm_head))
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,

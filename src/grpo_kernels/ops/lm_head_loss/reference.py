@@ -10,7 +10,7 @@ import jax
 
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective.batch import TokenBatch
-from grpo_kernels.ops.core.reference import token_logp_and_entropy, truncated_token_logps
+from grpo_kernels.ops.core.reference import truncated_token_logps
 from grpo_kernels.ops.core.truncation import config_truncation, outside_count
 from grpo_kernels.ops.lm_head_loss.head import HeadFormat, head_logits
 
@@ -24,13 +24,9 @@ def reference_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None,
     del options
     logits = head_logits(hidden, lm_head, fmt.layout, bias, fmt.logits_dtype)
     trunc = config_truncation(config, logits.shape[-1])
-    if trunc is None:
-        logp, entropy = token_logp_and_entropy(logits, batch.ids, config.temperature,
-                                               fmt.softcap)
-    else:
-        logp, entropy, outside = truncated_token_logps(logits, batch.ids, config.temperature,
-                                                       fmt.softcap, trunc)
+    logp, entropy, outside = truncated_token_logps(logits, batch.ids, config.temperature,
+                                                   fmt.softcap, trunc)
     loss, metrics, _ = batch.loss(logp, entropy, config, with_grad=False)
-    if trunc is not None:
+    if outside is not None:
         metrics["outside_truncation"] = outside_count(outside, batch.mask)
     return loss, metrics

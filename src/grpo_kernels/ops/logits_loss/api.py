@@ -148,8 +148,7 @@ def grpo_loss(
     requested = impl
     impl = resolve_impl(impl, options, OPTION_TYPES, default_impl)
     if config_truncation(config, logits.shape[-1]) is not None:
-        impl = truncation_impl(impl, requested)
-        options = options if impl != "xla" or isinstance(options, XlaBlockSizes) else None
+        impl, options = truncation_impl(impl, requested, options)
     softcap = check_softcap(logit_softcap)
     if check_ids:
         check_ids_in_range(ids, mask, logits.shape[-1])

@@ -6,7 +6,7 @@ import jax
 
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective.batch import TokenBatch
-from grpo_kernels.ops.core.reference import token_logp_and_entropy, truncated_token_logps
+from grpo_kernels.ops.core.reference import truncated_token_logps
 from grpo_kernels.ops.core.truncation import config_truncation, outside_count
 
 Array = jax.Array
@@ -22,12 +22,9 @@ def reference_grpo_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig
     """
     del options
     trunc = config_truncation(config, logits.shape[-1])
-    if trunc is None:
-        logp, entropy = token_logp_and_entropy(logits, batch.ids, config.temperature, softcap)
-    else:
-        logp, entropy, outside = truncated_token_logps(logits, batch.ids, config.temperature,
-                                                       softcap, trunc)
+    logp, entropy, outside = truncated_token_logps(logits, batch.ids, config.temperature,
+                                                   softcap, trunc)
     loss, metrics, _ = batch.loss(logp, entropy, config, with_grad=False)  # autodiff from here
-    if trunc is not None:
+    if outside is not None:
         metrics["outside_truncation"] = outside_count(outside, batch.mask)
     return loss, metrics

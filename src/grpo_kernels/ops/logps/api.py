@@ -34,8 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from grpo_kernels.ops.core.reference import token_logp_and_entropy, truncated_token_logps
-from grpo_kernels.ops.core.truncation import Truncation, truncation_impl, truncation_of
+from grpo_kernels.ops.core.reference import truncated_token_logps
+from grpo_kernels.ops.core.truncation import Truncation, truncation_impl
 from grpo_kernels.ops.core.validate import (check_ids_in_range, check_shape, check_softcap,
                                             resolve_impl, shape_of)
 from grpo_kernels.ops.core.vjp import with_softmax_gradient
@@ -95,17 +95,17 @@ def from_pieces(stats: Any, grad: Any, primals: tuple, ids: Array, with_entropy:
     return logp, ent, outside
 
 
-def check_truncation(impl: str, requested: str, vocab: int, top_k: Any, top_p: Any,
-                     min_p: Any, return_outside: bool) -> tuple[Truncation | None, str]:
-    """The sampler's truncation (None when it drops nothing) and the implementation that
-    computes it: ``impl="auto"`` resolved to ``pallas`` becomes ``xla``; ``pallas`` asked for
-    by name is a ValueError (its kernels take no floor)."""
-    trunc = truncation_of(top_k, top_p, min_p)
+def check_truncation(impl: str, requested: str, options: Any, vocab: int, top_k: Any,
+                     top_p: Any, min_p: Any, return_outside: bool
+                     ) -> tuple[Truncation | None, str, Any]:
+    """The sampler's truncation (None when it drops nothing) and the implementation and
+    options that compute it (:func:`~grpo_kernels.ops.core.truncation.truncation_impl`)."""
+    trunc = Truncation(top_k, top_p, min_p)
     if not isinstance(return_outside, bool):
         raise ValueError(f"return_outside must be a bool, got {return_outside!r}")
     if not trunc.active(vocab):
-        return None, impl
-    return trunc, truncation_impl(impl, requested)
+        return None, impl, options
+    return (trunc, *truncation_impl(impl, requested, options))
 
 
 def _results(logp: Array, ent: Array, outside: Array | None, return_entropy: bool,
@@ -169,23 +169,20 @@ def token_logps(logits: Array, ids: Array, *, temperature: float = 1.0,
     tau = check_temperature(temperature)
     requested = impl
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
-    trunc, impl = check_truncation(impl, requested, vocab, top_k, top_p, min_p, return_outside)
+    trunc, impl, options = check_truncation(impl, requested, options, vocab, top_k, top_p,
+                                            min_p, return_outside)
     softcap = check_softcap(logit_softcap)
     ids = check_token_ids(ids, b, t, vocab, check_ids)
-    outside = None
-    if impl == "reference" and trunc is not None:
+    if impl == "reference":
         logp, ent, outside = truncated_token_logps(logits, ids, tau, softcap, trunc)
-    elif impl == "reference":
-        logp, ent = token_logp_and_entropy(logits, ids, tau, softcap)
     elif impl == "xla":
-        xla_options = options if isinstance(options, logits_xla.XlaBlockSizes) else None
         logp, ent, outside = from_pieces(
-            *logits_xla.pieces(logits.shape, xla_options, tau, softcap, trunc), (logits,), ids,
+            *logits_xla.pieces(logits.shape, options, tau, softcap, trunc), (logits,), ids,
             return_entropy, truncated=trunc is not None)
     else:
-        logp, ent, _ = from_pieces(*logits_pallas.pieces(logits.shape, logits.dtype, options,
-                                                         tau, softcap),
-                                   (logits,), ids, return_entropy)
+        logp, ent, outside = from_pieces(*logits_pallas.pieces(logits.shape, logits.dtype,
+                                                               options, tau, softcap),
+                                         (logits,), ids, return_entropy)
     return _results(logp, ent, outside, return_entropy, return_outside)
 
 
@@ -251,23 +248,20 @@ def token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *,
                                  logit_softcap)
     b, t, _ = hidden.shape
     vocab = fmt.vocab(lm_head)
-    trunc, impl = check_truncation(impl, requested, vocab, top_k, top_p, min_p, return_outside)
+    trunc, impl, options = check_truncation(impl, requested, options, vocab, top_k, top_p,
+                                            min_p, return_outside)
     tau = check_temperature(temperature)
     ids = check_token_ids(ids, b, t, vocab, check_ids)
     primals = (hidden, lm_head, bias)
-    outside = None
     if impl == "reference":
         z = head_logits(hidden, lm_head, fmt.layout, bias, fmt.logits_dtype)
-        if trunc is None:
-            logp, ent = token_logp_and_entropy(z, ids, tau, fmt.softcap)
-        else:
-            logp, ent, outside = truncated_token_logps(z, ids, tau, fmt.softcap, trunc)
+        logp, ent, outside = truncated_token_logps(z, ids, tau, fmt.softcap, trunc)
     elif impl == "xla":
-        xla_options = options if isinstance(options, head_xla.LmHeadBlockSizes) else None
         logp, ent, outside = from_pieces(
-            *head_xla.pieces(hidden, lm_head, fmt, xla_options, tau, vocab, None, trunc=trunc),
+            *head_xla.pieces(hidden, lm_head, fmt, options, tau, vocab, None, trunc=trunc),
             primals, ids, return_entropy, truncated=trunc is not None)
     else:
-        logp, ent, _ = from_pieces(*head_pallas.pieces(hidden, lm_head, fmt, options, tau),
-                                   primals, ids, return_entropy)
+        logp, ent, outside = from_pieces(*head_pallas.pieces(hidden, lm_head, fmt, options,
+                                                             tau),
+                                         primals, ids, return_entropy)
     return _results(logp, ent, outside, return_entropy, return_outside)
