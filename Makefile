@@ -70,6 +70,7 @@ TUNIX_HEAD := $(VENV)/tunix-head
 # (its weight copy into tunix's Llama3 does), and one of the two meshes (the one with both a
 # batch and a vocabulary axis).
 TUNIX_TESTS := tests/integrations/test_tunix.py tests/integrations/test_tunix_log_probs.py \
+	tests/integrations/test_tunix_sampler.py \
 	tests/integrations/test_tunix_modules.py \
 	"tests/integrations/test_tunix_example.py::test_tunix_llama3_copy_gives_the_same_logits" \
 	"tests/proof/test_gpu_step_scripts.py::test_tunix_arms_agree_on_the_installed_tunix" \

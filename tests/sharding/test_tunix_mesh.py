@@ -123,6 +123,14 @@ def test_losses_and_log_probs_on_tunix_mesh_equal_one_device(mesh_name, tunix_sh
         got = fn(g, placed, example.prompt_ids, example.completion_ids, PAD, EOS)
     assert fn.calls == {"ours": 1, "tunix": 0}
     np.testing.assert_allclose(np.asarray(got), np.asarray(want_logps), rtol=TOL, atol=1e-6)
+    # a sampler's truncation: the sharded ops take none, so both refuse rather than score the
+    # whole row (before anything compiles)
+    algo.top_k = 20
+    with mesh, pytest.raises(ValueError, match="top_k / top_p / min_p"):
+        _step(ours.fused_policy_loss, g, placed, example, algo, mesh)
+    truncating = ours.log_probs_function("xla", truncation=ours.sampler_truncation(algo))
+    with mesh, pytest.raises(ValueError, match="on a mesh"):
+        truncating(g, placed, example.prompt_ids, example.completion_ids, PAD, EOS)
 
 
 def _aux(out):

@@ -22,7 +22,8 @@ The package, by responsibility: :mod:`.offers` (what the installed tunix has),
 :mod:`.config` (its ``GRPOConfig`` read into ours), :mod:`.inputs` (a ``TrainExample``,
 packed or not), :mod:`.models` (reading a model below its logits), :mod:`.placement` (its
 mesh), :mod:`.losses` (the two losses and their registration), :mod:`.outputs` (what they
-return), :mod:`.log_probs` (the patch). tunix is imported by the functions that need it
+return), :mod:`.log_probs` (the patch), :mod:`.sampler` (the rollout's top-k and top-p carried
+to both: :func:`follow_sampler`). tunix is imported by the functions that need it
 (``pip install grpo-kernels[tunix]``).
 """
 
@@ -36,11 +37,13 @@ from grpo_kernels.integrations.tunix.losses import (POLICY_LOSSES, fused_options
                                                     logits_policy_loss, register)
 from grpo_kernels.integrations.tunix.outputs import differentiated, loss_output, tunix_aux
 from grpo_kernels.integrations.tunix.placement import context_mesh, placement
+from grpo_kernels.integrations.tunix.sampler import follow_sampler, sampler_truncation
 
-__all__ = ["Example", "context_mesh", "differentiated", "example_inputs", "fused_options",
-           "fused_policy_loss", "log_probs_function", "log_probs_patched", "logits_options",
+__all__ = ["Example", "context_mesh", "differentiated", "example_inputs", "follow_sampler",
+           "fused_options", "fused_policy_loss", "log_probs_function", "log_probs_patched", "logits_options",
            "logits_policy_loss", "loss_config", "loss_output", "model_inputs",
-           "patch_log_probs", "placement", "register", "token_inputs", "tunix_aux",
+           "patch_log_probs", "placement", "register", "sampler_truncation", "token_inputs",
+           "tunix_aux",
            "unpatch_log_probs"]
 
 register()

@@ -13,6 +13,8 @@ LOSS_ALGOS: tuple[str, ...] = ("grpo", "gspo-token")
 # The constants of tunix's grpo_loss_fn: the per-token log-ratio clamp and gspo-token's cap.
 TUNIX_LOG_RATIO_CLAMP = 20.0
 TUNIX_GSPO_TOKEN_MAX = 10.0
+# The sampler's truncation, read from the algorithm config where set (follow_sampler).
+TRUNCATION_FIELDS: tuple[str, ...] = ("top_k", "top_p", "min_p")
 
 
 def field(algo_config: Any, name: str, default: Any = None) -> Any:
@@ -26,8 +28,10 @@ def loss_config(algo_config: Any, has_ref: bool, shape: tuple[int, int] | None =
 
     Read: ``epsilon``, ``epsilon_high`` (absent or ``None``: ``epsilon``), ``epsilon_c`` (the
     dual clip), ``beta`` (applied only with reference log-probs, as tunix), ``kl_loss_mode``,
-    ``kl_clamp_value``, ``loss_agg_mode``, ``loss_algo`` and ``temperature`` (0 and 1 leave the
-    logits alone, as tunix). The log-ratio clamp (20) and gspo-token's cap (10) are tunix's.
+    ``kl_clamp_value``, ``loss_agg_mode``, ``loss_algo``, ``temperature`` (0 and 1 leave the
+    logits alone, as tunix) and, where they are set (tunix's ``GRPOConfig`` has no such fields:
+    :func:`~grpo_kernels.integrations.tunix.follow_sampler` sets them from its rollout
+    config), the sampler's truncation ``top_k``, ``top_p`` and ``min_p``. The log-ratio clamp (20) and gspo-token's cap (10) are tunix's.
     Given the ``TrainExample``'s ``shape`` (``[B, T]`` of its completion arrays), tunix's
     defaults of its aggregations' ``norm`` become our ``loss_agg_norm`` where they are not
     ours: ``B`` for an unpacked ``sequence-mean-token-sum-norm`` where the installed tunix
@@ -77,13 +81,15 @@ def loss_config(algo_config: Any, has_ref: bool, shape: tuple[int, int] | None =
         dual_clip=epsilon_c,
         log_ratio_clamp=TUNIX_LOG_RATIO_CLAMP,
         sequence_log_ratio_max=None if loss_algo == "grpo" else TUNIX_GSPO_TOKEN_MAX,
+        **{name: field(algo_config, name) for name in TRUNCATION_FIELDS},
     )
     try:
         return GRPOLossConfig(**fields)
     except ValueError as e:  # name the tunix field behind ours
         names = {"epsilon_low": "epsilon", "kl_clamp": "kl_clamp_value",
                  "loss_agg_mode": "loss_agg_mode", "epsilon_high": "epsilon_high",
-                 "temperature": "temperature"}
+                 "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+                 "min_p": "min_p"}
         for ours, theirs in names.items():
             if str(e).startswith(ours):
                 raise ValueError(f"GRPOConfig.{theirs}: {e}") from None

@@ -18,6 +18,13 @@ tunix returns them: ``[B, L]``, position 0 padded (log-prob 0; entropy 0 in the 
 mode, else that of the zero logits it pads, ``log V``). The head's ``chunk_size`` changes
 nothing else: ours holds no ``[B, T, V]`` whatever it is.
 
+With a sampler's truncation bound (:func:`patch_log_probs`' ``truncation``, set by
+:func:`~grpo_kernels.integrations.tunix.follow_sampler`) every pass we answer gives the
+log-probs of the distribution the sampler drew from (:func:`grpo_kernels.token_logps_from_hidden`'s
+``top_k`` / ``top_p`` / ``min_p``), and the entropies of it; a pass that cannot take it (a
+``compute_final_logits`` head, a mesh, a model read by neither way) raises ValueError rather
+than return the whole vocabulary's.
+
 Every other call goes to tunix's function with exactly the arguments its caller gave: logits
 asked for (0.1.7's ``return_logits``), images, a negative temperature, an argument tunix's
 signature does not take or that we do not know, a model read by neither way, ``chunk_size``
@@ -40,14 +47,17 @@ from grpo_kernels.integrations.tunix.losses import function_blocks, fused_option
 from grpo_kernels.integrations.tunix.models import (completion_hidden, function_hidden,
                                                     head_function, head_vocab, reading)
 from grpo_kernels.integrations.tunix.placement import placement
+from grpo_kernels.ops.core.truncation import Truncation
 from grpo_kernels.ops.logps.api import token_logps_from_hidden
 from grpo_kernels.ops.logps.head_fn import token_logps_from_head_fn
 from grpo_kernels.sharding import sharded_token_logps_from_hidden
 
 Array = jax.Array
 
-# tunix's own compute_per_token_logps while ours is bound in its place (patch_log_probs).
+# tunix's own compute_per_token_logps while ours is bound in its place (patch_log_probs), and
+# the arguments ours was bound with.
 _TUNIX_LOG_PROBS: Any = None
+_BOUND: dict[str, Any] = {}
 # The arguments of compute_per_token_logps (0.1.7's and the head's) and what each must be for
 # us to answer; any other argument a tunix version adds must keep its default.
 ANSWERED: dict[str, Callable[[Any], bool]] = {
@@ -85,11 +95,24 @@ def _packed_entropy_front(vocab: int, chunk_size: int) -> float:
     return 0.0 if chunk_size > 0 else math.log(vocab)
 
 
-def _log_probs_pass(impl: str, options: Any, tunix_fn: Callable) -> Callable:
+def refuse_truncated(trunc: Truncation | None, why: str, vocab: float = math.inf) -> None:
+    """ValueError when ``trunc`` drops tokens of a ``vocab``-wide row (unknown: any width) on
+    a pass (``why``) that cannot take it."""
+    if trunc is not None and trunc.active(vocab):
+        raise ValueError(f"the sampler's truncation ({trunc}): the log-prob pass {why} keeps "
+                         f"the whole vocabulary; read the model's head weights on one device, "
+                         f"or bind no truncation")
+
+
+def _log_probs_pass(impl: str, options: Any, tunix_fn: Callable,
+                    trunc: Truncation | None) -> Callable:
     """The jitted pass of :func:`log_probs_function` for the calls it answers; a model read by
     neither way (or a chunked call tunix refuses for it) gets ``tunix_fn`` inlined, with the
     arguments its caller gave (``given``)."""
     from flax import nnx
+
+    sampler = {} if trunc is None else dict(top_k=trunc.top_k, top_p=trunc.top_p,
+                                             min_p=trunc.min_p)
 
     @functools.partial(jax.jit, static_argnames=("pad_id", "eos_id", "stop_gradient",
                                                  "temperature", "return_entropy",
@@ -100,6 +123,7 @@ def _log_probs_pass(impl: str, options: Any, tunix_fn: Callable) -> Callable:
         model = nnx.merge(graphdef, state)
         how = reading(model)
         if how == "call" or (chunk_size > 0 and head_function(model) is not None):
+            refuse_truncated(trunc, "through tunix's function")
             values = dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                           pad_id=pad_id, eos_id=eos_id, images=None, stop_gradient=stop_gradient,
                           return_logits=False, return_entropy=return_entropy,
@@ -116,6 +140,7 @@ def _log_probs_pass(impl: str, options: Any, tunix_fn: Callable) -> Callable:
         if how == "function":
             hidden = function_hidden(model, inputs, t)
             vocab = jax.eval_shape(model.compute_final_logits, hidden[:, :1]).shape[-1]
+            refuse_truncated(trunc, "through compute_final_logits", vocab)
             logp, ent = token_logps_from_head_fn(hidden, model.compute_final_logits, ids,
                                                  temperature=tau, return_entropy=True,
                                                  blocks=function_blocks(options))
@@ -123,8 +148,11 @@ def _log_probs_pass(impl: str, options: Any, tunix_fn: Callable) -> Callable:
             hidden, head = completion_hidden(model, inputs, t)
             vocab = head_vocab(head)
             where = placement(model, hidden.shape[0], vocab, head)
-            logps_fn = token_logps_from_hidden if where is None else functools.partial(
-                sharded_token_logps_from_hidden, mesh=where[0], sharding=where[1])
+            if where is not None:
+                refuse_truncated(trunc, "on a mesh", vocab)
+            logps_fn = functools.partial(token_logps_from_hidden, **sampler) if where is None \
+                else functools.partial(sharded_token_logps_from_hidden, mesh=where[0],
+                                       sharding=where[1])
             logp, ent = logps_fn(hidden, head.weights, ids, lm_head_layout=head.layout,
                                  logits_dtype=head.dtype, logit_softcap=head.softcap,
                                  temperature=tau, impl=impl, return_entropy=True,
@@ -141,14 +169,16 @@ def _log_probs_pass(impl: str, options: Any, tunix_fn: Callable) -> Callable:
 
 
 def log_probs_function(impl: str = "auto", options: Any = None,
-                       tunix_fn: Callable | None = None) -> Callable:
+                       tunix_fn: Callable | None = None,
+                       truncation: Truncation | None = None) -> Callable:
     r"""A drop-in for the installed tunix's ``compute_per_token_logps``: same signature, same
     results, without the ``[B, P + T, V]`` logits (module docstring).
 
     ``impl``, ``options``: as in :func:`grpo_kernels.token_logps_from_hidden` (``None``:
     :func:`~grpo_kernels.integrations.tunix.fused_options`' choice; ``LmHeadBlockSizes`` also
     chunk a ``compute_final_logits`` head). ``tunix_fn``: the function it stands in for and
-    hands the other calls to (default: tunix's).
+    hands the other calls to (default: tunix's). ``truncation``: the sampler's, applied to every
+    pass it answers (module docstring; None: the whole vocabulary).
 
     The returned function counts the calls by who answered them in its ``calls`` attribute:
     ``"ours"``, or ``"tunix"`` (its function, as called). A model read by neither way counts
@@ -159,7 +189,7 @@ def log_probs_function(impl: str = "auto", options: Any = None,
 
         tunix_fn = _TUNIX_LOG_PROBS or common.compute_per_token_logps
     signature = inspect.signature(tunix_fn)
-    ours = _log_probs_pass(impl, options, tunix_fn)
+    ours = _log_probs_pass(impl, options, tunix_fn, truncation)
 
     @functools.wraps(tunix_fn)
     def compute_per_token_logps(*args: Any, **kwargs: Any) -> Any:
@@ -183,15 +213,17 @@ def log_probs_function(impl: str = "auto", options: Any = None,
     return compute_per_token_logps
 
 
-def patch_log_probs(impl: str = "auto", options: Any = None) -> None:
+def patch_log_probs(impl: str = "auto", options: Any = None,
+                    truncation: Truncation | None = None) -> None:
     """Binds :func:`log_probs_function` in place of ``tunix.rl.common.
     compute_per_token_logps``.
 
     Every tunix caller looks the function up in that module when it calls it (module
     docstring), so after this call a whole GRPO iteration holds no ``[B, P + T, V]`` array for
     a model our adapter reads (with ``policy_loss_fn="grpo_kernels_fused"`` for the update).
-    Calling it again replaces the bound options; tunix's own function is kept for
-    :func:`unpatch_log_probs`.
+    Calling it again replaces the bound options (``truncation`` included: the sampler's, as
+    :func:`~grpo_kernels.integrations.tunix.follow_sampler` binds it); tunix's own function is
+    kept for :func:`unpatch_log_probs`.
     """
     global _TUNIX_LOG_PROBS
     from tunix.rl import common
@@ -202,7 +234,15 @@ def patch_log_probs(impl: str = "auto", options: Any = None) -> None:
             raise ValueError("tunix.rl.common.compute_per_token_logps is already a grpo_kernels "
                              "function that this module did not bind; unbind it first")
         _TUNIX_LOG_PROBS = current
-    common.compute_per_token_logps = log_probs_function(impl, options, _TUNIX_LOG_PROBS)
+    common.compute_per_token_logps = log_probs_function(impl, options, _TUNIX_LOG_PROBS,
+                                                        truncation)
+    _BOUND.update(impl=impl, options=options, truncation=truncation)
+
+
+def bound_options() -> dict[str, Any] | None:
+    """The ``impl``, ``options`` and ``truncation`` our bound pass was bound with, or None
+    when tunix's own function is in place."""
+    return dict(_BOUND) if _TUNIX_LOG_PROBS is not None else None
 
 
 def unpatch_log_probs() -> None:
@@ -215,6 +255,7 @@ def unpatch_log_probs() -> None:
 
     common.compute_per_token_logps = _TUNIX_LOG_PROBS
     _TUNIX_LOG_PROBS = None
+    _BOUND.clear()
 
 
 @contextlib.contextmanager

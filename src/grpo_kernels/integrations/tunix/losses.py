@@ -24,6 +24,7 @@ from grpo_kernels.integrations.tunix.models import (call_model, completion_hidde
 from grpo_kernels.integrations.tunix.outputs import policy_output
 from grpo_kernels.integrations.tunix.placement import placement
 from grpo_kernels.objective.batch import TokenBatch
+from grpo_kernels.ops.core.truncation import refuse_truncation
 from grpo_kernels.ops.core.validate import validate_token_inputs
 from grpo_kernels.ops.lm_head_loss.api import default_impl as default_head_impl
 from grpo_kernels.ops.lm_head_loss.api import grpo_loss_from_hidden
@@ -136,6 +137,7 @@ def function_loss(model: Any, hidden: Array, ex: Example, config: GRPOLossConfig
     ``model.compute_final_logits(hidden)``, formed a chunk at a time: the log-probs and
     entropies of :func:`grpo_kernels.token_logps_from_head_fn`, the objective on them."""
     vocab = jax.eval_shape(model.compute_final_logits, hidden[:, :1]).shape[-1]
+    refuse_truncation(config, vocab, "a compute_final_logits head (read a chunk at a time)")
     validate_token_inputs(jax.ShapeDtypeStruct((*ex.ids.shape, vocab), hidden.dtype), ex.ids,
                           ex.mask, ex.advantages, config, ex.old_logps, ex.ref_logps,
                           ex.sampler_weights, None, ex.segments)

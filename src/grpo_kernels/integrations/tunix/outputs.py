@@ -83,6 +83,16 @@ def _token_stats(p: dict[str, Array], ex: Example) -> dict[str, Array]:
     return out
 
 
+def _ours(metrics: dict[str, Array], mask: Array) -> dict[str, Array]:
+    """Our entries of the aux: :data:`OURS`, and with a sampler's truncation the share of
+    completion tokens outside its kept set (``outside_truncation``)."""
+    out = {f"grpo_kernels/{key}": metrics[key] for key in OURS}
+    if "outside_truncation" in metrics:
+        out["grpo_kernels/outside_truncation"] = metrics["outside_truncation"] / jnp.maximum(
+            jnp.sum(mask), 1.0)
+    return out
+
+
 def tunix_aux(metrics: dict[str, Array], ex: Example, config: GRPOLossConfig,
               epsilon_c: float | None) -> dict[str, Array]:
     """The aux dict of tunix 0.1.7's ``grpo_loss_fn`` (same keys, same definitions) from our
@@ -98,9 +108,7 @@ def tunix_aux(metrics: dict[str, Array], ex: Example, config: GRPOLossConfig,
         **_token_stats(p, ex),
         "entropy": jnp.sum(p["weights"] * p["entropy"]),
     }
-    for key in OURS:
-        aux[f"grpo_kernels/{key}"] = metrics[key]
-    return aux
+    return {**aux, **_ours(metrics, p["mask"])}
 
 
 def _aggregated(ex: Example, mode: str) -> Any:
@@ -148,8 +156,7 @@ def loss_output(loss: Array, metrics: dict[str, Array], ex: Example, config: GRP
         kl = kl_divergence(p["logp"], ex.ref_logps, config)
         aux["kl"] = wm(jnp.sum(kl * p["mask"]), tokens, min_denom=1.0)
         aux["kl_loss"] = _as_sum(sg(metrics["kl_loss"]), skeleton)
-    for key in OURS:
-        aux[f"grpo_kernels/{key}"] = metrics[key]
+    aux.update(_ours(metrics, p["mask"]))
     return offers.loss_output()(primary_loss=_as_sum(loss, skeleton), aux_metrics=aux)
 
 
