@@ -57,6 +57,14 @@ def test_summarize_and_markdown():
     text = report.markdown(s, "t", None)
     assert "| reward rises (slope > 2 SE) | yes | no |" in text
     assert "| mean reward, first 5 steps |" in text
+    assert "trainer/sampler" not in text  # runs without the metric
+    for r, (ratio, outside) in zip((base, kernel), ((0.99979, 2e-3), (0.948, 0.0))):
+        r[0]["sampler_ratio"] = ratio
+        for i, step in enumerate(r):
+            step["outside_truncation"] = outside * (i % 2) * 2
+    text = report.markdown(report.summarize({"reference": base, "fused": kernel}), "t", None)
+    assert "| step 1 mean ratio trainer/sampler | 0.99979 | 0.94800 |" in text
+    assert "| outside_truncation, mean of all steps | 2.00e-03 | 0.00e+00 |" in text
 
 
 def test_times_after_step_1_leave_out_the_compiling_step():

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from grpo_kernels.cli.main import main
+from grpo_kernels.cli.train import parse_arms
 from grpo_kernels.rl.config import TrainConfig
 from grpo_kernels.rl.run_dir import read_metrics
 from grpo_kernels.rl.trainer import NonFiniteError, Trainer
@@ -59,7 +60,8 @@ KEYS = ("reward/mean", "reward/std", "reward/correctness", "reward/format", "los
         "entropy", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "grad_norm",
         "completion/length_mean", "time/train/rollout_s", "time/train/update_s",
         "time/train/step_s", "time/train/step_avg_last10_s", "throughput/tokens_per_s",
-        "memory/update_temp_bytes", "memory/peak_rss_bytes", "memory/peak_bytes")
+        "memory/update_temp_bytes", "memory/peak_rss_bytes", "memory/peak_bytes",
+        "sampler_ratio")
 
 
 def _leaves(trainer):
@@ -75,6 +77,8 @@ def test_metrics_and_resume_after_a_crash(tmp_path):
         for key in KEYS:
             assert np.isfinite(r[key]), (key, r[key])
     assert records[0]["kl"] == 0.0 and records[-1]["kl"] >= 0  # step 1: policy == reference
+    # the update's first forward scores what the float32 sampler drew, with its weights
+    assert abs(records[0]["sampler_ratio"] - 1) < 1e-4
     moved = [float(np.abs(a - b).max()) for a, b in zip(_leaves(straight), initial)]
     assert max(moved) > 1e-4  # the updates changed the weights
     assert records[-1]["memory/update_temp_bytes"] > 0
@@ -184,11 +188,22 @@ def test_train_command_reports_config_errors(tmp_path, capsys, argv, message):
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("arms", ["logits-reference", "logits-reference,lm_head_fused",
-                                  "logits-xla,logits-xla"])
-def test_ab_rejects_bad_arms(capsys, arms):
+@pytest.mark.parametrize("arms, message", [
+    ("logits-reference", "--arms must name two or more different arms"),
+    ("logits-reference,lm_head_fused", "--arms must name two or more different arms"),
+    ("logits-xla,logits-xla", "--arms must name two or more different arms"),
+    ("logits-xla,logits-xla:oops", "--arms 'logits-xla:oops': --set 'oops': expected KEY=VALUE"),
+    ("logits-xla,logits-xla:loss.truncation=2", "loss.truncation: must be true or false")])
+def test_ab_rejects_bad_arms(capsys, arms, message):
     assert main(["ab", "--arms", arms]) == 2
-    assert "--arms must name two or more different HEAD-IMPL pairs" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
+
+
+def test_ab_arms_take_their_own_overrides():
+    assert parse_arms("logits-xla,fused-xla:loss.truncation=false:rollout.top_k=20") == [
+        ("logits-xla", "logits", "xla", {}),
+        ("fused-xla:loss.truncation=false:rollout.top_k=20", "fused", "xla",
+         {"loss.truncation": False, "rollout.top_k": 20})]
 
 
 def test_help_of_each_command(capsys):

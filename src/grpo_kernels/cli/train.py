@@ -75,15 +75,25 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_arms(text: str) -> list[tuple[str, str]]:
-    """``"logits-reference,fused-auto"`` -> ``[("logits", "reference"), ("fused", "auto")]``."""
-    arms = [s.strip() for s in text.split(",") if s.strip()]
+def parse_arms(text: str) -> list[tuple[str, str, str, dict[str, Any]]]:
+    """``"logits-reference,fused-xla:loss.truncation=false"`` -> ``[(name, head, impl,
+    overrides)]``: each arm a ``HEAD-IMPL`` pair, optionally followed by ``:KEY=VALUE`` config
+    overrides of its own (values parsed as YAML)."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
     good = [f"{h}-{i}" for h in LOSS_HEADS for i in LOSS_IMPLS]
-    bad = [a for a in arms if a not in good]
-    if len(arms) < 2 or bad or len(set(arms)) < len(arms):
-        raise ValueError(f"--arms must name two or more different HEAD-IMPL pairs of {good}, "
-                         f"got {text!r}")
-    return [tuple(a.split("-", 1)) for a in arms]
+    pairs = [name.split(":")[0] for name in names]
+    bad = [a for a in pairs if a not in good]
+    if len(names) < 2 or bad or len(set(names)) < len(names):
+        raise ValueError(f"--arms must name two or more different arms, each a HEAD-IMPL pair "
+                         f"of {good} with optional :KEY=VALUE overrides, got {text!r}")
+    arms = []
+    for name, pair in zip(names, pairs):
+        try:
+            overrides = _parse_set(name.split(":")[1:])
+        except ValueError as e:
+            raise ValueError(f"--arms {name!r}: {e}") from None
+        arms.append((name, *pair.split("-", 1), overrides))
+    return arms
 
 
 def run_ab(args: argparse.Namespace) -> int:
@@ -95,13 +105,13 @@ def run_ab(args: argparse.Namespace) -> int:
     arms = parse_arms(args.arms)
     base = load_config(args, **{"train.steps": args.steps, "train.run_dir": args.run_dir,
                                 "eval.num_problems": args.eval})
-    configs = {f"{h}-{i}": base.replace(**{"loss.head": h, "loss.impl": i, "train.run_dir":
-                                           os.path.join(base.train.run_dir, f"{h}-{i}")})
-               for h, i in arms}  # all validated before any run starts
-    for arm, config in configs.items():
+    configs = {name: base.replace(**{**extra, "loss.head": h, "loss.impl": i, "train.run_dir":
+                                       os.path.join(base.train.run_dir, name)})
+               for name, h, i, extra in arms}  # all validated before any run starts
+    for (arm, config), extra in zip(configs.items(), (a[3] for a in arms)):
         print(f"== {arm}: {config.train.run_dir}", file=sys.stderr)
         if args.processes == "per-arm":
-            run_arm_process(args, config)
+            run_arm_process(args, config, extra)
             continue
         trainer = Trainer(config, progress=not args.no_progress)
         trainer.run()
@@ -119,13 +129,15 @@ def run_ab(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_arm_process(args: argparse.Namespace, config: Any) -> None:
+def run_arm_process(args: argparse.Namespace, config: Any,
+                    extra: dict[str, Any] | None = None) -> None:
     """One arm of ``ab --processes per-arm``: ``grpo-kernels train`` in a fresh process with
-    ``args``' config and overrides, the arm's head and impl, and its run dir. ValueError when
-    it fails (the runs before it are kept)."""
+    ``args``' config and overrides, the arm's own (``extra``), head and impl, and its run dir.
+    ValueError when it fails (the runs before it are kept)."""
+    own = [f"{k}={json.dumps(v)}" for k, v in (extra or {}).items()]
     cmd = [sys.executable, "-m", "grpo_kernels.cli.main", "train",
            *(["--config", args.config] if args.config else []),
-           *(x for item in args.set or [] for x in ("--set", item)),
+           *(x for item in [*(args.set or []), *own] for x in ("--set", item)),
            "--set", f"loss.head={config.loss.head}", "--set", f"loss.impl={config.loss.impl}",
            "--set", f"eval.num_problems={config.eval.num_problems}",
            "--run-dir", config.train.run_dir, "--steps", str(config.train.steps),
@@ -203,9 +215,10 @@ def add_parsers(sub: Any) -> None:
                        "RUN_DIR/ab_curves.png. The first arm is the baseline.")
     _common(p)
     p.add_argument("--arms", default="logits-reference,fused-xla",
-                   help="comma-separated HEAD-IMPL pairs: loss.head (logits | fused) and "
-                   "loss.impl (auto | reference | xla | pallas) (default: "
-                   "logits-reference,fused-xla)")
+                   help="comma-separated arms, each a HEAD-IMPL pair: loss.head (logits | "
+                   "fused) and loss.impl (auto | reference | xla | pallas), optionally with "
+                   "config overrides of its own, e.g. fused-xla:loss.truncation=false "
+                   "(default: logits-reference,fused-xla)")
     p.add_argument("--title", help="title of the report and plot")
     p.add_argument("--processes", choices=["one", "per-arm"], default="one",
                    help="one: every arm in this process (default); per-arm: each arm in a "

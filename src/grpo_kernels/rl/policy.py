@@ -55,9 +55,11 @@ from grpo_kernels.ops.logps import token_logps, token_logps_from_hidden
 
 Array = jax.Array
 # outside_truncation: the share of tokens the sampler's truncation would have dropped (0 with
-# none), a token-weighted mean as the others.
+# none); sampler_ratio: the mean of exp(logp - the sampler's logp) over the completion tokens
+# (NaN without the sampler's log-probs); token-weighted means as the others.
 METRIC_NAMES = ("kl", "entropy", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region",
-                "outside_truncation")
+                "outside_truncation", "sampler_ratio")
+LOSS_METRICS = METRIC_NAMES[:5]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +76,8 @@ class Batch:
       sampler_logps: ``[N, C]`` the sampler's log-probs of the completion tokens, or None
         (handed to the loss when its options read them: ``sampler_correction``, the
         off-policy mask).
+      rollout_logps: ``[N, C]`` the sampler's log-probs again, for the metric
+        ``sampler_ratio`` only (None: NaN), whatever the loss reads.
     """
 
     ids: np.ndarray
@@ -84,6 +88,7 @@ class Batch:
     old_logps: np.ndarray | None = None
     ref_logps: np.ndarray | None = None
     sampler_logps: np.ndarray | None = None
+    rollout_logps: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
@@ -94,7 +99,7 @@ class Batch:
         sl = slice(start, start + size)
         out = {"ids": self.ids[sl], "attention": self.attention[sl], "mask": self.mask[sl],
                "advantages": self.advantages[sl]}
-        for name in ("old_logps", "ref_logps", "sampler_logps"):
+        for name in ("old_logps", "ref_logps", "sampler_logps", "rollout_logps"):
             value = getattr(self, name)
             out[name] = None if value is None else value[sl]
         return out
@@ -190,9 +195,11 @@ def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig
                                 prompt_width=prompt_width, num_items=num_items, mesh=mesh,
                                 sharding=sharding, options=options,
                                 logits_dtype=logits_dtype)
-        keep = {name: metrics[name] for name in METRIC_NAMES[:-1]}
-        keep["outside_truncation"] = metrics.get("outside_truncation", 0.0) / jnp.maximum(
-            jnp.sum(mb["mask"].astype(jnp.float32)), 1.0)
+        tokens = jnp.maximum(jnp.sum(mb["mask"].astype(jnp.float32)), 1.0)
+        keep = {name: metrics[name] for name in LOSS_METRICS}
+        keep["outside_truncation"] = metrics.get("outside_truncation", 0.0) / tokens
+        keep["sampler_ratio"] = sampler_ratio(metrics["logp"], mb.get("rollout_logps"),
+                                              mb["mask"])
         return scale * loss, keep
 
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
@@ -206,6 +213,19 @@ def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig
             min_p=config.min_p))
 
     return grad_fn, logp_fn
+
+
+def sampler_ratio(logp: Array, sampler_logps: Array | None, mask: Array) -> Array:
+    r"""The mean importance ratio against the sampler over the completion tokens,
+    :math:`\sum_{bt} m_{bt} e^{\log\pi_{bt} - \log\pi^{s}_{bt}} / \sum_{bt} m_{bt}` (NaN
+    without the sampler's log-probs). In the first epoch of a step the policy is the sampler's,
+    so this is 1 up to the two programs' numerics and what the two log-probs describe (the
+    sampler's truncation)."""
+    if sampler_logps is None:
+        return jnp.float32(jnp.nan)
+    m = mask.astype(jnp.float32)
+    ratio = jnp.exp(logp.astype(jnp.float32) - sampler_logps.astype(jnp.float32))
+    return jnp.sum(jnp.where(m > 0, ratio, 0.0) * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
 def completion_logps(model: Any, mb: dict[str, Any], *, head: str, impl: str,

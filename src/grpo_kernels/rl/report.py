@@ -137,6 +137,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]],
             "peak_rss_bytes": max(r["memory/peak_rss_bytes"] for r in records),
             "reward_trend": reward_trend([r["reward/mean"] for r in records]),
         }
+        ratio = first.get("sampler_ratio")
+        if ratio is not None and math.isfinite(ratio):  # the trainer against the sampler
+            out["runs"][name].update(step1_sampler_ratio=ratio, outside_truncation_mean=float(
+                np.mean([r.get("outside_truncation", 0.0) for r in records])))
         if all("reward/correctness" in r for r in records):
             out["runs"][name]["correctness_trend"] = reward_trend(
                 [r["reward/correctness"] for r in records])
@@ -221,6 +225,10 @@ def markdown(summary: dict[str, Any], title: str, png: str | None) -> str:
     if all("correctness_trend" in r for r in runs.values()):
         rows.append((f"correctness, first {EDGE} -> last {EDGE} steps", "correctness_trend",
                      lambda t: f"{t['first']:.3f} -> {t['last']:.3f}"))
+    if all("step1_sampler_ratio" in r for r in runs.values()):
+        rows += [("step 1 mean ratio trainer/sampler", "step1_sampler_ratio",
+                  lambda v: f"{v:.5f}"),
+                 ("outside_truncation, mean of all steps", "outside_truncation_mean", lambda v: f"{v:.2e}")]
     for label, key, fmt in rows:
         lines.append(f"| {label} | " + " | ".join(fmt(r[key]) for r in runs.values()) + " |")
     lines.append("")
