@@ -111,6 +111,12 @@ def fingerprint(tree: Any) -> str:
     return digest.hexdigest()
 
 
+# The reference runs op by op where it is what a fast implementation is compared with
+# (reference_value_and_grad, and the head's in tests/ops/lm_head_loss): each of its primitives
+# is compiled once per shape and dtype and shared by every test of the run, where a jitted
+# reference compiles one whole program per config (a third of a grid test's time). The
+# operations and their float32 arithmetic are the same; only XLA's fusion of them into one
+# program is not done.
 def cached_reference(key: tuple, inputs: Any, compute: Callable[[], Any]) -> Any:
     """``compute()`` once per ``key`` and input values in this process: the reference results
     that several implementations (or kernels) are compared with.
@@ -125,9 +131,12 @@ def cached_reference(key: tuple, inputs: Any, compute: Callable[[], Any]) -> Any
 
 
 def reference_value_and_grad(inp, cfg, **kw):
-    """:func:`value_and_grad` of the reference implementation, cached per config and inputs."""
+    """:func:`value_and_grad` of the reference implementation, cached per config and inputs.
+
+    Op by op, not jitted (the comment above :func:`cached_reference`)."""
     key = ("logits", cfg, tuple(sorted(kw.items())))
-    return cached_reference(key, inp, lambda: value_and_grad("reference", inp, cfg, **kw))
+    return cached_reference(key, inp, lambda: value_and_grad("reference", inp, cfg, jit=False,
+                                                             **kw))
 
 
 # The GPU a CUDA lowering is planned for when the host has none (jax >= 0.12's Triton lowering

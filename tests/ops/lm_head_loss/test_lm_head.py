@@ -44,7 +44,7 @@ def make_inputs(seed, b=B, t=T, h=H, v=V, dtype=jnp.float32, layout="hv", bias=F
     return hidden, w, ids, mask, adv, extra, bias_v
 
 
-def run(impl, inputs, cfg, layout="hv", **kw):
+def run(impl, inputs, cfg, layout="hv", jit=True, **kw):
     hidden, w, ids, mask, adv, extra, bias = inputs
     if impl in SMALL and "options" not in kw:
         kw["options"] = SMALL[impl]
@@ -53,15 +53,16 @@ def run(impl, inputs, cfg, layout="hv", **kw):
         return grpo_loss_from_hidden(hh, ww, ids, mask, adv, config=cfg, impl=impl,
                                      lm_head_layout=layout, bias=bb, **extra, **kw)
 
-    (loss, metrics), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(
-        hidden, w, bias)
+    step = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)
+    (loss, metrics), grads = (jax.jit(step) if jit else step)(hidden, w, bias)
     return loss, metrics, grads
 
 
 def run_reference(inputs, cfg, layout="hv"):
-    """:func:`run` of the reference, cached per config, layout and inputs."""
+    """:func:`run` of the reference, op by op (tests/helpers.py says why), cached per config,
+    layout and inputs."""
     return cached_reference(("head", cfg, layout), inputs,
-                            lambda: run("reference", inputs, cfg, layout))
+                            lambda: run("reference", inputs, cfg, layout, jit=False))
 
 
 def assert_close(impl, inputs, cfg, layout="hv", tol=1e-5, **kw):
