@@ -86,7 +86,7 @@ test-tunix-head: $(STAMP)
 	@if [ -f $(TUNIX_HEAD_TGZ) ]; then \
 		$(MAKE) --no-print-directory $(TUNIX_HEAD)/.installed && \
 		echo "tunix development head ($(TUNIX_HEAD_TGZ)): the tunix integration tests" && \
-		PYTHONPATH=$(CURDIR)/$(TUNIX_HEAD) $(BIN)/python -m pytest -q -n 2 $(TUNIX_TESTS) && \
+		PYTHONPATH=$(CURDIR)/$(TUNIX_HEAD) $(BIN)/python -m pytest -q -n 2 --durations=15 $(TUNIX_TESTS) && \
 		PYTHONPATH=$(CURDIR)/$(TUNIX_HEAD) $(MULTIDEVICE) $(BIN)/python -m pytest -q -n 2 \
 			$(TUNIX_MESH_TESTS); \
 	else \
