@@ -198,7 +198,7 @@ def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig
         tokens = jnp.maximum(jnp.sum(mb["mask"].astype(jnp.float32)), 1.0)
         keep = {name: metrics[name] for name in LOSS_METRICS}
         keep["outside_truncation"] = metrics.get("outside_truncation", 0.0) / tokens
-        keep["sampler_ratio"] = sampler_ratio(metrics["logp"], mb.get("rollout_logps"),
+        keep["sampler_ratio"] = sampler_ratio(metrics.get("logp"), mb.get("rollout_logps"),
                                               mb["mask"])
         return scale * loss, keep
 
@@ -215,13 +215,13 @@ def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig
     return grad_fn, logp_fn
 
 
-def sampler_ratio(logp: Array, sampler_logps: Array | None, mask: Array) -> Array:
+def sampler_ratio(logp: Array | None, sampler_logps: Array | None, mask: Array) -> Array:
     r"""The mean importance ratio against the sampler over the completion tokens,
     :math:`\sum_{bt} m_{bt} e^{\log\pi_{bt} - \log\pi^{s}_{bt}} / \sum_{bt} m_{bt}` (NaN
-    without the sampler's log-probs). In the first epoch of a step the policy is the sampler's,
+    without the sampler's log-probs, or from a loss that reports no ``logp``). In the first epoch of a step the policy is the sampler's,
     so this is 1 up to the two programs' numerics and what the two log-probs describe (the
     sampler's truncation)."""
-    if sampler_logps is None:
+    if logp is None or sampler_logps is None:
         return jnp.float32(jnp.nan)
     m = mask.astype(jnp.float32)
     ratio = jnp.exp(logp.astype(jnp.float32) - sampler_logps.astype(jnp.float32))
