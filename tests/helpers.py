@@ -130,12 +130,12 @@ def cached_reference(key: tuple, inputs: Any, compute: Callable[[], Any]) -> Any
     return _REFERENCE_RESULTS[full]
 
 
-def reference_value_and_grad(inp, cfg, **kw):
+def reference_value_and_grad(inp, cfg, jit=False, **kw):
     """:func:`value_and_grad` of the reference implementation, cached per config and inputs.
 
-    Op by op, not jitted (the comment above :func:`cached_reference`)."""
+    Op by op unless ``jit`` (the comment above :func:`cached_reference`)."""
     key = ("logits", cfg, tuple(sorted(kw.items())))
-    return cached_reference(key, inp, lambda: value_and_grad("reference", inp, cfg, jit=False,
+    return cached_reference(key, inp, lambda: value_and_grad("reference", inp, cfg, jit=jit,
                                                              **kw))
 
 

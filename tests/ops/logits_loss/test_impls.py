@@ -28,9 +28,11 @@ METRICS = ("entropy", "kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_reg
            "policy_loss", "kl_loss")
 
 
-def assert_matches_reference(impl, inp, cfg, metrics=METRICS, **kw):
+def assert_matches_reference(impl, inp, cfg, metrics=METRICS, reference_jit=False, **kw):
+    """``reference_jit``: the reference as one program, for a shape no other test runs (op by
+    op pays off only where many configs share a shape: tests/helpers.py)."""
     tol = TOL[inp.logits.dtype.type]
-    loss_r, m_r, g_r = reference_value_and_grad(inp, cfg)
+    loss_r, m_r, g_r = reference_value_and_grad(inp, cfg, jit=reference_jit)
     loss_k, m_k, g_k = value_and_grad(impl, inp, cfg, **kw)
     assert g_k.dtype == inp.logits.dtype and g_k.shape == inp.logits.shape
     assert np.isfinite(float(loss_k)) and bool(jnp.all(jnp.isfinite(g_k.astype(jnp.float32))))
@@ -107,7 +109,7 @@ def test_hypothesis_shapes(b, t, v, loss_type, level, chunk, block_v, seed):
     cfg = GRPOLossConfig(loss_type=loss_type, importance_sampling_level=level, beta=0.04,
                          max_completion_length=t)
     inp = random_inputs(seed, b, t, v, jnp.float32, cfg, noise=0.3)
-    assert_matches_reference("xla", inp, cfg,
+    assert_matches_reference("xla", inp, cfg, reference_jit=True,
                              options=XlaBlockSizes(chunk_tokens=chunk, block_vocab=block_v))
 
 
