@@ -74,11 +74,13 @@ def roofline_s(flops: float | None, nbytes: float | None, generation: str) -> fl
 
 def ours_options(chunk_bytes: int | None, dweight: str | None):
     """``--ours-chunk-bytes`` / ``--ours-dweight`` as the ``xla`` head's options, or None
-    (ours with no options: the adapter's choice)."""
+    (ours with no options: the adapter's choice). Without ``dweight`` it is the adapter's
+    ``"vocab"`` (:func:`grpo_kernels.integrations.tunix.fused_options`), so that a chunk budget
+    alone does not bring back the float32 ``[H, V]`` accumulator."""
     if chunk_bytes is None and dweight is None:
         return None
     from grpo_kernels.ops.lm_head_loss.xla_plan import LmHeadBlockSizes
-    return LmHeadBlockSizes(chunk_bytes=chunk_bytes, dweight=dweight or "tokens")
+    return LmHeadBlockSizes(chunk_bytes=chunk_bytes, dweight=dweight or "vocab")
 
 
 def program(pass_: str, arm: str, model, device, prompt: int, time: int, options=None):
@@ -178,7 +180,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "ours with no options)")
     p.add_argument("--ours-dweight", choices=("tokens", "vocab"), default=None,
                    help="ours on the xla head with this LmHeadBlockSizes.dweight (default: "
-                   "ours with no options; with --ours-chunk-bytes alone: tokens)")
+                   "ours with no options; with --ours-chunk-bytes alone: vocab, the adapter's choice)")
     p.add_argument("--libtpu", default=None, help="libtpu.so (default: $TPU_LIBRARY_PATH, "
                    "then .venv/libtpu)")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")

@@ -33,6 +33,9 @@ def test_ours_options_are_the_xla_heads_or_none():
     assert tti.ours_options(1 << 24, "vocab") == LmHeadBlockSizes(chunk_bytes=1 << 24,
                                                                   dweight="vocab")
     assert tti.ours_options(None, "vocab") == LmHeadBlockSizes(dweight="vocab")
+    # a chunk budget alone keeps the adapter's dweight="vocab"
+    assert tti.ours_options(1 << 24, None) == LmHeadBlockSizes(chunk_bytes=1 << 24,
+                                                               dweight="vocab")
 
 
 def test_summary_compares_with_the_default_and_the_lowest_chunked_plan():
