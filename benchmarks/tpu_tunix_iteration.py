@@ -180,7 +180,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "ours with no options)")
     p.add_argument("--ours-dweight", choices=("tokens", "vocab"), default=None,
                    help="ours on the xla head with this LmHeadBlockSizes.dweight (default: "
-                   "ours with no options; with --ours-chunk-bytes alone: vocab, the adapter's choice)")
+                   "ours with no options; with --ours-chunk-bytes alone: vocab, the "
+                   "adapter's choice)")
     p.add_argument("--libtpu", default=None, help="libtpu.so (default: $TPU_LIBRARY_PATH, "
                    "then .venv/libtpu)")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")

@@ -62,9 +62,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--config: {e}")
     values["rollout"] = {**values.get("rollout", {}), "top_k": args.top_k, "top_p": args.top_p,
                          "min_p": args.min_p}
-    # a sampler correction makes the batch carry the sampler's log-probs
-    values["loss"] = {**values.get("loss", {}), "options": {
-        **values.get("loss", {}).get("options", {}), "sampler_correction": "token_truncate"}}
     values["logging"] = {"wandb_mode": "disabled"}
     with tempfile.TemporaryDirectory() as run_dir:
         values["train"] = {**values.get("train", {}), "run_dir": run_dir}

@@ -48,6 +48,8 @@ import numpy as np
 from flax import nnx
 
 from grpo_kernels.config import NUM_ITEMS_LOSS_TYPES, GRPOLossConfig
+from grpo_kernels.objective.metrics import masked_mean
+from grpo_kernels.ops.core.inputs import wants_sampler_logps
 from grpo_kernels.ops.lm_head_loss import grpo_loss_from_hidden
 from grpo_kernels.ops.lm_head_loss.lookup import tied_lookup
 from grpo_kernels.ops.logits_loss import grpo_loss
@@ -73,11 +75,9 @@ class Batch:
       advantages: ``[N]``.
       prompt_width: ``P``.
       old_logps, ref_logps: ``[N, C]`` or None.
-      sampler_logps: ``[N, C]`` the sampler's log-probs of the completion tokens, or None
-        (handed to the loss when its options read them: ``sampler_correction``, the
-        off-policy mask).
-      rollout_logps: ``[N, C]`` the sampler's log-probs again, for the metric
-        ``sampler_ratio`` only (None: NaN), whatever the loss reads.
+      sampler_logps: ``[N, C]`` the sampler's log-probs of the completion tokens, or None:
+        the metric ``sampler_ratio`` reads them (None: NaN), and the loss where its options
+        read them (``sampler_correction``, the off-policy mask: :func:`loss_on`).
     """
 
     ids: np.ndarray
@@ -88,7 +88,6 @@ class Batch:
     old_logps: np.ndarray | None = None
     ref_logps: np.ndarray | None = None
     sampler_logps: np.ndarray | None = None
-    rollout_logps: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
@@ -99,7 +98,7 @@ class Batch:
         sl = slice(start, start + size)
         out = {"ids": self.ids[sl], "attention": self.attention[sl], "mask": self.mask[sl],
                "advantages": self.advantages[sl]}
-        for name in ("old_logps", "ref_logps", "sampler_logps", "rollout_logps"):
+        for name in ("old_logps", "ref_logps", "sampler_logps"):
             value = getattr(self, name)
             out[name] = None if value is None else value[sl]
         return out
@@ -159,9 +158,9 @@ def loss_on(model: Any, mb: dict[str, Any], *, head: str, impl: str, config: GRP
     ``options``: the implementation's options (:func:`grpo_kernels.rl.kernel.resolve`);
     ``logits_dtype``: the dtype the logits are rounded to before the loss."""
     targets = mb["ids"][:, prompt_width:]
+    sampler = mb.get("sampler_logps") if wants_sampler_logps(config) else None
     extra = dict(config=config, old_logps=mb["old_logps"], ref_logps=mb["ref_logps"],
-                 sampler_logps=mb.get("sampler_logps"), num_items_in_batch=num_items,
-                 options=options)
+                 sampler_logps=sampler, num_items_in_batch=num_items, options=options)
     if mesh is not None:
         from grpo_kernels.sharding import sharded_grpo_loss, sharded_grpo_loss_from_hidden
 
@@ -198,7 +197,7 @@ def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig
         tokens = jnp.maximum(jnp.sum(mb["mask"].astype(jnp.float32)), 1.0)
         keep = {name: metrics[name] for name in LOSS_METRICS}
         keep["outside_truncation"] = metrics.get("outside_truncation", 0.0) / tokens
-        keep["sampler_ratio"] = sampler_ratio(metrics.get("logp"), mb.get("rollout_logps"),
+        keep["sampler_ratio"] = sampler_ratio(metrics.get("logp"), mb.get("sampler_logps"),
                                               mb["mask"])
         return scale * loss, keep
 
@@ -218,14 +217,13 @@ def make_programs(graphdef: Any, *, head: str, impl: str, config: GRPOLossConfig
 def sampler_ratio(logp: Array | None, sampler_logps: Array | None, mask: Array) -> Array:
     r"""The mean importance ratio against the sampler over the completion tokens,
     :math:`\sum_{bt} m_{bt} e^{\log\pi_{bt} - \log\pi^{s}_{bt}} / \sum_{bt} m_{bt}` (NaN
-    without the sampler's log-probs, or from a loss that reports no ``logp``). In the first epoch of a step the policy is the sampler's,
-    so this is 1 up to the two programs' numerics and what the two log-probs describe (the
-    sampler's truncation)."""
+    without the sampler's log-probs, or from a loss that reports no ``logp``). In the first
+    epoch of a step the policy is the sampler's, so this is 1 up to the two programs' numerics
+    and what the two log-probs describe (the sampler's truncation)."""
     if logp is None or sampler_logps is None:
         return jnp.float32(jnp.nan)
-    m = mask.astype(jnp.float32)
     ratio = jnp.exp(logp.astype(jnp.float32) - sampler_logps.astype(jnp.float32))
-    return jnp.sum(jnp.where(m > 0, ratio, 0.0) * m) / jnp.maximum(jnp.sum(m), 1.0)
+    return masked_mean(jnp.where(mask > 0, ratio, 0.0), mask)  # padding's ratio may be inf
 
 
 def completion_logps(model: Any, mb: dict[str, Any], *, head: str, impl: str,

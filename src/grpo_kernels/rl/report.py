@@ -228,7 +228,8 @@ def markdown(summary: dict[str, Any], title: str, png: str | None) -> str:
     if all("step1_sampler_ratio" in r for r in runs.values()):
         rows += [("step 1 mean ratio trainer/sampler", "step1_sampler_ratio",
                   lambda v: f"{v:.5f}"),
-                 ("outside_truncation, mean of all steps", "outside_truncation_mean", lambda v: f"{v:.2e}")]
+                 ("outside_truncation, mean of all steps", "outside_truncation_mean",
+                  lambda v: f"{v:.2e}")]
     for label, key, fmt in rows:
         lines.append(f"| {label} | " + " | ".join(fmt(r[key]) for r in runs.values()) + " |")
     lines.append("")

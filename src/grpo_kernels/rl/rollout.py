@@ -31,16 +31,14 @@ def score(texts: Sequence[str], problems: Sequence[Any], num_generations: int,
     return reward, parts, sample
 
 
-def to_batch(gen: Any, advantages: np.ndarray, with_sampler_logps: bool) -> Batch:
+def to_batch(gen: Any, advantages: np.ndarray) -> Batch:
     """The update's :class:`~grpo_kernels.rl.policy.Batch` of a generation (prompt and
-    completion side by side), with the sampler's log-probs where the loss reads them (and for
-    the metric ``sampler_ratio`` always)."""
+    completion side by side), with the sampler's log-probs."""
     return Batch(ids=np.concatenate([gen.prompt_ids, gen.ids], axis=1),
                  attention=np.concatenate([gen.prompt_mask, gen.mask], axis=1),
                  mask=gen.mask, advantages=advantages,
                  prompt_width=int(gen.prompt_ids.shape[1]),
-                 sampler_logps=gen.logps if with_sampler_logps else None,
-                 rollout_logps=gen.logps)
+                 sampler_logps=gen.logps)
 
 
 def metrics(gen: Any, reward: np.ndarray, parts: dict[str, np.ndarray],

@@ -43,7 +43,6 @@ from grpo_kernels.models.decoder import Decoder
 from grpo_kernels.models.loading import load_policy as _load_policy
 from grpo_kernels.models.sampling import generate
 from grpo_kernels.ops.core.dtypes import parse_dtype
-from grpo_kernels.ops.core.inputs import wants_sampler_logps
 from grpo_kernels.rl import data as data_lib
 from grpo_kernels.rl import kernel as kernel_lib
 from grpo_kernels.rl import processes
@@ -246,7 +245,7 @@ class Trainer:
         reward, parts, sample = rollout_lib.score(texts, problems, g, c.rewards.functions)
         gen, reward, parts = self._gather(gen, reward, parts)
         advantages = rewards_lib.group_advantages(reward, g, c.rewards.scale_rewards)
-        batch = rollout_lib.to_batch(gen, advantages, wants_sampler_logps(self.loss_config))
+        batch = rollout_lib.to_batch(gen, advantages)
         return batch, rollout_lib.metrics(gen, reward, parts, self.tokenizer.eos_ids), sample
 
     def _gather(self, gen: Any, reward: np.ndarray,

@@ -40,10 +40,9 @@ from grpo_kernels.integrations.tunix.placement import context_mesh, placement
 from grpo_kernels.integrations.tunix.sampler import follow_sampler, sampler_truncation
 
 __all__ = ["Example", "context_mesh", "differentiated", "example_inputs", "follow_sampler",
-           "fused_options", "fused_policy_loss", "log_probs_function", "log_probs_patched", "logits_options",
-           "logits_policy_loss", "loss_config", "loss_output", "model_inputs",
+           "fused_options", "fused_policy_loss", "log_probs_function", "log_probs_patched",
+           "logits_options", "logits_policy_loss", "loss_config", "loss_output", "model_inputs",
            "patch_log_probs", "placement", "register", "sampler_truncation", "token_inputs",
-           "tunix_aux",
-           "unpatch_log_probs"]
+           "tunix_aux", "unpatch_log_probs"]
 
 register()

@@ -31,7 +31,8 @@ def loss_config(algo_config: Any, has_ref: bool, shape: tuple[int, int] | None =
     ``kl_clamp_value``, ``loss_agg_mode``, ``loss_algo``, ``temperature`` (0 and 1 leave the
     logits alone, as tunix) and, where they are set (tunix's ``GRPOConfig`` has no such fields:
     :func:`~grpo_kernels.integrations.tunix.follow_sampler` sets them from its rollout
-    config), the sampler's truncation ``top_k``, ``top_p`` and ``min_p``. The log-ratio clamp (20) and gspo-token's cap (10) are tunix's.
+    config), the sampler's truncation ``top_k``, ``top_p`` and ``min_p``. The log-ratio clamp
+    (20) and gspo-token's cap (10) are tunix's.
     Given the ``TrainExample``'s ``shape`` (``[B, T]`` of its completion arrays), tunix's
     defaults of its aggregations' ``norm`` become our ``loss_agg_norm`` where they are not
     ours: ``B`` for an unpacked ``sequence-mean-token-sum-norm`` where the installed tunix

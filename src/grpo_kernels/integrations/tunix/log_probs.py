@@ -54,10 +54,8 @@ from grpo_kernels.sharding import sharded_token_logps_from_hidden
 
 Array = jax.Array
 
-# tunix's own compute_per_token_logps while ours is bound in its place (patch_log_probs), and
-# the arguments ours was bound with.
+# tunix's own compute_per_token_logps while ours is bound in its place (patch_log_probs).
 _TUNIX_LOG_PROBS: Any = None
-_BOUND: dict[str, Any] = {}
 # The arguments of compute_per_token_logps (0.1.7's and the head's) and what each must be for
 # us to answer; any other argument a tunix version adds must keep its default.
 ANSWERED: dict[str, Callable[[Any], bool]] = {
@@ -180,9 +178,10 @@ def log_probs_function(impl: str = "auto", options: Any = None,
     hands the other calls to (default: tunix's). ``truncation``: the sampler's, applied to every
     pass it answers (module docstring; None: the whole vocabulary).
 
-    The returned function counts the calls by who answered them in its ``calls`` attribute:
-    ``"ours"``, or ``"tunix"`` (its function, as called). A model read by neither way counts
-    as ours and is answered by tunix's function inlined in our jitted pass.
+    The returned function carries its arguments in its ``bound`` attribute (``impl``,
+    ``options``, ``truncation``) and counts the calls by who answered them in its ``calls``
+    attribute: ``"ours"``, or ``"tunix"`` (its function, as called). A model read by neither
+    way counts as ours and is answered by tunix's function inlined in our jitted pass.
     """
     if tunix_fn is None:
         from tunix.rl import common
@@ -210,6 +209,7 @@ def log_probs_function(impl: str = "auto", options: Any = None,
 
     compute_per_token_logps.grpo_kernels = True  # how patch_log_probs knows its own
     compute_per_token_logps.calls = {"ours": 0, "tunix": 0}
+    compute_per_token_logps.bound = dict(impl=impl, options=options, truncation=truncation)
     return compute_per_token_logps
 
 
@@ -236,13 +236,16 @@ def patch_log_probs(impl: str = "auto", options: Any = None,
         _TUNIX_LOG_PROBS = current
     common.compute_per_token_logps = log_probs_function(impl, options, _TUNIX_LOG_PROBS,
                                                         truncation)
-    _BOUND.update(impl=impl, options=options, truncation=truncation)
 
 
 def bound_options() -> dict[str, Any] | None:
-    """The ``impl``, ``options`` and ``truncation`` our bound pass was bound with, or None
-    when tunix's own function is in place."""
-    return dict(_BOUND) if _TUNIX_LOG_PROBS is not None else None
+    """The ``impl``, ``options`` and ``truncation`` our bound pass was bound with (its
+    ``bound`` attribute), or None when tunix's own function is in place."""
+    if _TUNIX_LOG_PROBS is None:
+        return None
+    from tunix.rl import common
+
+    return dict(common.compute_per_token_logps.bound)
 
 
 def unpatch_log_probs() -> None:
@@ -255,7 +258,6 @@ def unpatch_log_probs() -> None:
 
     common.compute_per_token_logps = _TUNIX_LOG_PROBS
     _TUNIX_LOG_PROBS = None
-    _BOUND.clear()
 
 
 @contextlib.contextmanager

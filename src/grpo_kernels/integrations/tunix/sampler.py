@@ -26,8 +26,8 @@ from grpo_kernels.integrations.tunix.config import TRUNCATION_FIELDS, field
 from grpo_kernels.integrations.tunix.log_probs import bound_options, patch_log_probs
 from grpo_kernels.ops.core.truncation import Truncation
 
-# tunix's rollout engines whose log-probs we know, and whether each returns the sampler's
-# processed (truncated) distribution for a given RolloutConfig.
+# tunix's rollout engines whose log-probs we know (processed_log_probs says which return the
+# truncated distribution), and vLLM's mode that returns it.
 ENGINES: tuple[str, ...] = ("vanilla", "vllm")
 PROCESSED_MODE = "processed_logprobs"
 
