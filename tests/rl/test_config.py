@@ -21,15 +21,22 @@ def test_defaults_and_round_trip():
     assert (lc.top_k, lc.top_p, lc.min_p) == (None, None, None)
 
 
-def test_the_loss_takes_the_samplers_truncation_off_a_mesh():
+def test_the_loss_takes_the_samplers_truncation_where_rows_are_whole():
     """rollout.top_k / top_p / min_p reach the loss (and so the log-prob passes) on one
-    device; a mesh's sharded ops take none, so there the loss keeps the whole vocabulary."""
+    device and on a mesh that keeps vocabulary rows whole (a vocab axis of size 1 included);
+    a vocab axis that splits the rows is a config error unless loss.truncation is off."""
     rollout = {"top_k": 20, "top_p": 0.9, "min_p": 0.05}
     lc = TrainConfig.from_dict({"rollout": rollout}).loss_config()
     assert (lc.top_k, lc.top_p, lc.min_p) == (20, 0.9, 0.05)
-    meshed = TrainConfig.from_dict({"rollout": rollout, "mesh": {"shape": {"dp": 1}}})
-    assert meshed.loss_config().top_k is None
-    whole = TrainConfig.from_dict({"rollout": rollout, "loss": {"truncation": False}})
+    for shape, vocab_axis in (({"dp": 2}, None), ({"dp": 2, "tp": 1}, "tp")):
+        meshed = TrainConfig.from_dict({"rollout": rollout, "mesh": {
+            "shape": shape, "vocab_axis": vocab_axis}})
+        assert (meshed.loss_config().top_k, meshed.loss_config().top_p) == (20, 0.9)
+    split = {"shape": {"dp": 1, "tp": 2}, "vocab_axis": "tp"}
+    with pytest.raises(ValueError, match=r"mesh.vocab_axis.*loss.truncation: false"):
+        TrainConfig.from_dict({"rollout": rollout, "mesh": split})
+    whole = TrainConfig.from_dict({"rollout": rollout, "loss": {"truncation": False},
+                                   "mesh": split})
     assert (whole.loss_config().top_k, whole.rollout.top_k) == (None, 20)
 
 

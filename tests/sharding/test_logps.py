@@ -153,3 +153,60 @@ def test_soft_capped_losses_and_log_probs_on_a_mesh():
         h, w, ids, mask, adv, mesh=mesh, sharding=spec, config=cfg, impl="xla",
         logit_softcap=2.5)[0]))(h)
     assert rel_err(sharded, one) <= 2e-5
+
+
+def test_truncation_where_each_device_holds_whole_rows():
+    """A sampler's truncation on meshes that keep vocabulary rows whole (no vocab axis: the
+    batch over dp and fsdp with tp replicating; a tp axis of size 1): both log-prob ops and
+    the fused loss equal the one-device reference's truncated values, gradients and
+    ``outside`` counts (ids half the rows' best, half random: both sides of the floor). A
+    mesh that splits the rows, an FSDP-gathered xla head and a named pallas refuse."""
+    from grpo_kernels import GRPOLossConfig, grpo_loss_from_hidden
+    from grpo_kernels.sharding import sharded_grpo_loss_from_hidden
+
+    k = jax.random.split(jax.random.key(5), 5)
+    h = jax.random.normal(k[0], (B, T, H))
+    w = 0.5 * jax.random.normal(k[1], (H, V))
+    z = 3 * jax.random.normal(k[2], (B, T, V))
+    best = jnp.argmax(z, axis=-1)
+    ids = jnp.where(jax.random.bernoulli(k[3], 0.5, (B, T)), best,
+                    jax.random.randint(k[4], (B, T), 0, V))
+    runs = [(MESHES[3], ShardingSpec(("dp", "fsdp")), "xla", dict(top_k=20, top_p=0.9)),
+            (MESHES[0], ShardingSpec(("dp",), "tp"), "auto", dict(min_p=0.05, top_p=0.8)),
+            (MESHES[3], ShardingSpec(("dp", "fsdp")), "reference", dict(top_k=5))]
+    for m, spec, impl, trunc in runs:
+        mesh = make(m)[0]
+        kw = dict(return_entropy=True, temperature=0.7, **trunc)
+        _same(_grads(lambda z: sharded_token_logps(z, ids, mesh=mesh, sharding=spec,
+                                                   impl=impl, **kw), z),
+              _grads(lambda z: token_logps(z, ids, impl="reference", **kw), z))
+        if impl != "reference":
+            _same(_grads(lambda h, w: sharded_token_logps_from_hidden(
+                h, w, ids, mesh=mesh, sharding=spec, impl=impl, **kw), h, w),
+                  _grads(lambda h, w: token_logps_from_hidden(h, w, ids, impl="reference",
+                                                              **kw), h, w))
+    outside = sharded_token_logps(z, ids, mesh=mesh, sharding=spec, return_outside=True,
+                                  **trunc)[1]
+    want = token_logps(z, ids, impl="reference", return_outside=True, **trunc)[1]
+    assert 0 < int(want.sum()) < B * T and bool(jnp.all(outside == want))
+    cfg = GRPOLossConfig(beta=0.04, top_k=20, top_p=0.9)
+    mask, adv = jnp.ones((B, T)), jax.random.normal(k[0], (B,))
+    mesh, spec = make(MESHES[3])[0], ShardingSpec(("dp", "fsdp"))
+
+    def loss(fn, **kw):
+        return jax.jit(jax.value_and_grad(lambda h, w: fn(
+            h, w, ids, mask, adv, config=cfg, impl="xla", ref_logps=-jnp.ones((B, T)),
+            **kw), argnums=(0, 1), has_aux=True))(h, w)
+    (got, got_m), got_g = loss(sharded_grpo_loss_from_hidden, mesh=mesh, sharding=spec)
+    (want, want_m), want_g = loss(grpo_loss_from_hidden)
+    np.testing.assert_allclose(float(got), float(want), rtol=2e-5)
+    assert float(got_m["outside_truncation"]) == float(want_m["outside_truncation"]) > 0
+    for g, g_r in zip(got_g, want_g, strict=True):
+        assert rel_err(g, g_r) <= 2e-5
+    for spec, impl, match in ((ShardingSpec(("dp",), "tp"), "xla", "splits V over 'tp'"),
+                              (ShardingSpec(("dp", "fsdp"), head_axes=("fsdp",)), "xla",
+                               "head_axes"),
+                              (ShardingSpec(("dp", "fsdp")), "pallas", "does not truncate")):
+        with pytest.raises(ValueError, match=match):
+            sharded_token_logps_from_hidden(h, w, ids, mesh=mesh, sharding=spec, impl=impl,
+                                            top_k=20)

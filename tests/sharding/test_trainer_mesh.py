@@ -1,6 +1,6 @@
-"""The trainer with a mesh: rows over dp, the fused head's vocabulary over tp; step 1 equals
-the one-device run (identical rollouts, so the loss and grad norm agree), with the xla and the
-pallas implementations."""
+"""The trainer with a mesh: rows over dp, the fused head's vocabulary over tp (or whole rows on
+each device, under the sampler's truncation); step 1 equals the one-device run (identical
+rollouts, so the loss and grad norm agree), with the xla and the pallas implementations."""
 
 import numpy as np
 import pytest
@@ -12,22 +12,27 @@ from grpo_kernels.rl.trainer import Trainer
 from tests.rl.test_trainer import _values, _varied_reward  # noqa: F401  (fixture)
 
 
-def test_mesh_step_equals_one_device(tmp_path):
+def test_mesh_step_under_truncation_equals_one_device(tmp_path):
+    """Sampling under ``top_k`` / ``top_p``, the fused xla loss and log-prob passes take the
+    truncation on a mesh that keeps rows whole (dp splits them; tp, unnamed, replicates)."""
     import jax
 
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     loss = {"head": "fused", "impl": "xla"}
-    mesh = {"shape": {"dp": 2, "tp": 2}, "batch_axes": ["dp"], "vocab_axis": "tp"}
-    base = _values(tmp_path / "one", train={"steps": 1}, loss=loss)
+    rollout = {"top_k": 20, "top_p": 0.9}
+    mesh = {"shape": {"dp": 2, "tp": 2}, "batch_axes": ["dp"]}
+    base = _values(tmp_path / "one", train={"steps": 1}, loss=loss, rollout=rollout)
     one = Trainer(TrainConfig.from_dict(base), progress=False).run()[0]
-    sharded = _values(tmp_path / "mesh", train={"steps": 1}, loss=loss)
+    sharded = _values(tmp_path / "mesh", train={"steps": 1}, loss=loss, rollout=rollout)
     sharded["mesh"] = mesh
-    got = Trainer(TrainConfig.from_dict(sharded), progress=False).run()[0]
+    config = TrainConfig.from_dict(sharded)
+    assert (config.loss_config().top_k, config.loss_config().top_p) == (20, 0.9)
+    got = Trainer(config, progress=False).run()[0]
     assert got["reward/mean"] == one["reward/mean"]
-    np.testing.assert_allclose(got["loss"], one["loss"], rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(got["grad_norm"], one["grad_norm"], rtol=1e-3)
-    np.testing.assert_allclose(got["entropy"], one["entropy"], rtol=1e-4)
+    for key, rtol in (("loss", 1e-4), ("grad_norm", 1e-3), ("entropy", 1e-4),
+                      ("sampler_ratio", 1e-5), ("outside_truncation", 0)):
+        np.testing.assert_allclose(got[key], one[key], rtol=rtol, atol=1e-6, err_msg=key)
 
 
 @pytest.mark.parametrize("head,mesh", [

@@ -123,14 +123,33 @@ def test_losses_and_log_probs_on_tunix_mesh_equal_one_device(mesh_name, tunix_sh
         got = fn(g, placed, example.prompt_ids, example.completion_ids, PAD, EOS)
     assert fn.calls == {"ours": 1, "tunix": 0}
     np.testing.assert_allclose(np.asarray(got), np.asarray(want_logps), rtol=TOL, atol=1e-6)
-    # a sampler's truncation: the sharded ops take none, so both refuse rather than score the
-    # whole row (before anything compiles)
-    algo.top_k = 20
-    with mesh, pytest.raises(ValueError, match="top_k / top_p / min_p"):
-        _step(ours.fused_policy_loss, g, placed, example, algo, mesh)
-    truncating = ours.log_probs_function("xla", truncation=ours.sampler_truncation(algo))
-    with mesh, pytest.raises(ValueError, match="on a mesh"):
-        truncating(g, placed, example.prompt_ids, example.completion_ids, PAD, EOS)
+    if tp > 1:
+        _check_truncation_on_mesh(model, g, placed, example, algo, mesh)
+
+
+def _check_truncation_on_mesh(model, g, placed, example, algo, mesh):
+    """A sampler's truncation on a mesh whose tp axis splits the vocabulary: placement keeps
+    rows whole (no vocab axis, the head gathered whole) and the fused loss and the log-prob
+    pass equal ours on one device, truncated."""
+    algo.top_k, algo.top_p = 20, 0.9
+    head = _head(tied=True)
+    with mesh:
+        where = ours.placement(nnx.merge(g, placed), 8, VOCAB, head, whole_rows=True)
+    assert where[1] == ShardingSpec(("fsdp",), None, ())
+    graphdef, state = nnx.split(model)
+    (want, want_grads), _ = _step(ours.fused_policy_loss, graphdef, state, example, algo)
+    (got, grads), _ = _step(ours.fused_policy_loss, g, placed, example, algo, mesh)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=TOL, atol=1e-7)
+    assert max_rel_err(grads, want_grads) <= TOL
+    assert _value(_aux(got[1])["grpo_kernels/outside_truncation"]) == _value(
+        _aux(want[1])["grpo_kernels/outside_truncation"])
+    fn = ours.log_probs_function("xla", truncation=ours.sampler_truncation(algo))
+    want_logps = fn(graphdef, state, example.prompt_ids, example.completion_ids, PAD, EOS)
+    with mesh:
+        got_logps = fn(g, placed, example.prompt_ids, example.completion_ids, PAD, EOS)
+    assert fn.calls == {"ours": 2, "tunix": 0}
+    np.testing.assert_allclose(np.asarray(got_logps), np.asarray(want_logps), rtol=TOL,
+                               atol=1e-6)
 
 
 def _aux(out):

@@ -11,6 +11,7 @@ import math
 from typing import Any, Mapping
 
 from grpo_kernels.config import GRPOLossConfig
+from grpo_kernels.ops.core.truncation import Truncation
 from grpo_kernels.rl.schema import build, fail, plain, set_dotted
 from grpo_kernels.rl.sections_model import ModelSection, RandomModelSection
 from grpo_kernels.rl.sections import (
@@ -29,8 +30,8 @@ from grpo_kernels.rl.sections import (
 )
 
 # GRPOLossConfig fields the trainer sets itself: the loss sees the sampling temperature and
-# truncation (the distribution the sampler drew from; not on a mesh, whose sharded ops take
-# none), and dr_grpo's length is the rollout's max_new_tokens.
+# truncation (the distribution the sampler drew from), and dr_grpo's length is the rollout's
+# max_new_tokens.
 DERIVED_LOSS_FIELDS = ("temperature", "max_completion_length", "top_k", "top_p", "min_p")
 
 
@@ -60,18 +61,31 @@ class TrainConfig:
             if self.train.micro_batch_size % shards:
                 fail("train.micro_batch_size", f"{self.train.micro_batch_size} is not "
                      f"divisible by the {shards} batch shards of mesh {dict(self.mesh.shape)}")
+            self._check_truncation_on_mesh()
+
+    def _check_truncation_on_mesh(self) -> None:
+        """The sharded ops truncate only where each device holds whole vocabulary rows
+        (:mod:`grpo_kernels.sharding.truncation`): a vocab axis of size > 1 and a sampler's
+        truncation the loss would take is an error, not a silent whole-vocabulary ratio."""
+        r, axis = self.rollout, self.mesh.vocab_axis
+        truncates = Truncation(r.top_k, r.top_p, r.min_p).active(math.inf)
+        if axis and self.mesh.shape[axis] > 1 and truncates and self.loss.truncation:
+            fail("mesh.vocab_axis", f"{axis!r} splits the vocabulary over "
+                 f"{self.mesh.shape[axis]} devices, but the sampler's truncation "
+                 f"(rollout.top_k / top_p / min_p) needs whole rows on each device; drop the "
+                 f"vocab axis or set loss.truncation: false (the whole vocabulary's log-probs)")
 
     def loss_config(self) -> GRPOLossConfig:
         """The GRPOLossConfig of ``loss.options`` with the rollout's temperature, length and
-        (without a mesh, and with ``loss.truncation``) truncation."""
+        (with ``loss.truncation``) truncation."""
         options = dict(self.loss.options)
         for name in DERIVED_LOSS_FIELDS:
             if name in options:
                 fail(f"loss.options.{name}", "is set by the trainer (rollout.temperature, "
                      "rollout.max_new_tokens, rollout.top_k / top_p / min_p); remove it")
         r = self.rollout
-        trunc = {} if self.mesh.shape is not None or not self.loss.truncation else dict(
-            top_k=r.top_k, top_p=r.top_p, min_p=r.min_p)
+        trunc = {} if not self.loss.truncation else dict(top_k=r.top_k, top_p=r.top_p,
+                                                         min_p=r.min_p)
         try:
             return GRPOLossConfig.from_dict({
                 **options, "temperature": float(r.temperature),

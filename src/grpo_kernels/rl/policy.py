@@ -236,10 +236,12 @@ def completion_logps(model: Any, mb: dict[str, Any], *, head: str, impl: str,
     loss: :func:`grpo_kernels.token_logps_from_hidden` for ``fused`` (no ``[M, C, V]``),
     :func:`grpo_kernels.token_logps` of ``model.logits`` for ``logits``; on a mesh their
     sharded versions. The same numbers as the loss's ``logp`` metric: under the sampler's
-    truncation ``top_k`` / ``top_p`` / ``min_p`` when given (one device only)."""
+    truncation ``top_k`` / ``top_p`` / ``min_p`` when given (on a mesh, one that keeps rows
+    whole: :mod:`grpo_kernels.sharding.truncation`)."""
     targets = mb["ids"][:, prompt_width:]
-    extra = dict(top_k=top_k, top_p=top_p, min_p=min_p) if mesh is None else dict(
-        mesh=mesh, sharding=sharding)
+    extra = dict(top_k=top_k, top_p=top_p, min_p=min_p)
+    if mesh is not None:
+        extra.update(mesh=mesh, sharding=sharding)
     if head == "fused":
         from grpo_kernels.sharding import sharded_token_logps_from_hidden
 

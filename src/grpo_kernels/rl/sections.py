@@ -96,7 +96,8 @@ class RolloutSection(Section):
       max_new_tokens: Longest completion.
       temperature: Sampling temperature; the loss divides the logits by the same value.
       top_k, top_p, min_p: Optional restrictions of the sampled distribution (vLLM's
-        meanings); without a mesh the loss and the log-prob passes take the same ones.
+        meanings); the loss and the log-prob passes take the same ones (``loss.truncation``;
+        on a mesh without a vocab axis of size > 1).
     """
 
     KEY = "rollout"

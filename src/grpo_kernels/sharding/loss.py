@@ -7,7 +7,8 @@ the :class:`~grpo_kernels.objective.batch.TokenBatch` (``b`` = product of the ba
 statistics ``pieces`` over the local columns, :mod:`grpo_kernels.sharding.vocab` to combine
 them across the vocab axis, the objective normalised over the whole batch through ``psum``
 over the batch axes, and the implementation's gradient piece on the local block, fed the
-global ``lse``. What differs between the ops is an :class:`OpKind`.
+global ``lse``. What differs between the ops is an :class:`~grpo_kernels.sharding.kinds.OpKind`
+(:mod:`grpo_kernels.sharding.kinds`, with the per-device body :func:`~grpo_kernels.sharding.kinds.statistics`).
 
 For the fused head, ``dW`` (and ``db``) stay local to their shard (``shard_map`` sums them over
 the batch axes, the usual data-parallel reduction) and ``dhidden`` is summed over the vocab
@@ -21,134 +22,30 @@ reduce-scattering its ``dW`` (:func:`grpo_kernels.ops.lm_head_loss.xla.gathered_
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from grpo_kernels.compat import to_layout, vary
+from grpo_kernels.compat import to_layout
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.objective.segments import Segments
 from grpo_kernels.objective.batch import TokenBatch
-from grpo_kernels.ops.core.online_softmax import soft_cap
-from grpo_kernels.ops.core.truncation import refuse_truncation
+from grpo_kernels.objective.segments import Segments
+from grpo_kernels.ops.core.truncation import Truncation, outside_count
 from grpo_kernels.ops.core.validate import (check_ids_in_range, check_softcap, resolve_impl,
                                             validate_token_inputs)
-from grpo_kernels.ops.core.vjp import with_softmax_gradient
 from grpo_kernels.ops.lm_head_loss import api as head_api
 from grpo_kernels.ops.lm_head_loss import pallas_tpu as head_pallas
-from grpo_kernels.ops.lm_head_loss import xla as head_xla
-from grpo_kernels.ops.lm_head_loss.head import HeadFormat, head_logits
 from grpo_kernels.ops.logits_loss import api as logits_api
 from grpo_kernels.ops.logits_loss import pallas as logits_pallas
-from grpo_kernels.ops.logits_loss import xla as logits_xla
+from grpo_kernels.sharding.kinds import (LOGITS, OpKind, Primals, on_mesh, head_kind,
+                                         head_spec, logits_kind, sequence_split, statistics)
 from grpo_kernels.sharding.spec import ShardingSpec, resolve
-from grpo_kernels.sharding.vocab import (
-    combine,
-    loss_and_metrics,
-    reference_statistics,
-    split_ids,
-)
+from grpo_kernels.sharding.truncation import mesh_truncation
+from grpo_kernels.sharding.vocab import loss_and_metrics
 
 Array = jax.Array
-Primals = tuple  # (logits,) or (hidden, lm_head, bias)
-# stats(primals, ids [B, T]) -> (logp, lse, entropy) [B, T] over the local columns;
-# grad(primals, hit_ids, lse, row: RowGrad) -> cotangents of the primals (same structure).
-Pieces = tuple[Callable[[Primals, Array], tuple[Array, Array, Array]],
-               Callable[[Primals, Array, Array, Array], Primals]]
-
-
-@dataclasses.dataclass(frozen=True)
-class OpKind:
-    """What the one sharded body needs to know about an op.
-
-    Attributes:
-      local_vocab: ``V_k`` of this device's primals.
-      reference_logits: The local ``[B, T, V_k]`` logits of the primals (``impl="reference"``).
-      pieces: ``pieces(primals, impl, options, temperature, spec, vocab)``: the fast
-        implementation's :data:`Pieces` on the local block.
-      vary: The primals typed as varying over the mesh axes their per-device cotangents vary
-        over, so the custom backward may return them (see :func:`grpo_kernels.compat.vary`).
-    """
-
-    local_vocab: Callable[[Primals], int]
-    reference_logits: Callable[[Primals], Array]
-    pieces: Callable[..., Pieces]
-    vary: Callable[[Primals, str, ShardingSpec], Primals] = lambda primals, impl, spec: primals
-
-
-def _on_mesh(options: Any, default: Any) -> Any:
-    """Pallas options with interpret mode, if any, on JAX's HLO interpreter: the TPU
-    interpreter makes every device wait for all the others at each kernel, which can deadlock
-    against XLA:CPU's collectives."""
-    options = options or default
-    return dataclasses.replace(options, interpret="hlo") if options.resolved_interpret() \
-        else options
-
-
-@functools.lru_cache(maxsize=None)
-def logits_kind(softcap: float | None) -> OpKind:
-    """The logits op (its logits soft-capped with ``softcap``), one object per cap:
-    ``logits_kind(None)`` is :data:`LOGITS`."""
-    def pieces(primals, impl, options, tau, spec, vocab) -> Pieces:
-        del spec, vocab
-        (z,) = primals
-        if impl == "xla":
-            return logits_xla.pieces(z.shape, options, tau, softcap)
-        opts = _on_mesh(options, logits_pallas.PallasOptions())
-        return logits_pallas.pieces(z.shape, z.dtype, opts, tau, softcap)
-
-    return OpKind(local_vocab=lambda p: p[0].shape[-1],
-                  reference_logits=lambda p: soft_cap(p[0].astype(jnp.float32), softcap),
-                  pieces=pieces)
-
-
-LOGITS = logits_kind(None)
-
-
-def head_kind(fmt: HeadFormat, seq: tuple[str, int] | None = None) -> OpKind:
-    def pieces(primals, impl, options, tau, spec, vocab) -> Pieces:
-        hidden, w, _ = primals
-        if impl == "xla" and spec.head_axes:
-            return head_xla.gathered_pieces(hidden, fmt, options, tau, vocab, spec.vocab_sum,
-                                            spec.head_axes)
-        if impl == "xla":
-            return head_xla.pieces(hidden, w, fmt, options, tau, vocab, spec.vocab_sum, seq)
-        opts = _on_mesh(options, head_pallas.LmHeadPallasOptions())
-        return head_pallas.pieces(hidden, w, fmt, opts, tau)
-
-    def vary_primals(primals, impl, spec):
-        # dW and db vary over the batch axes and the vocab axis; dhidden over the batch axes,
-        # and over the vocab axis too unless the XLA pass already summed it chunk by chunk
-        # (sequence-parallel, each device has its own steps: it varies).
-        tp = (spec.vocab_axis,) if spec.vocab_axis else ()
-        hidden, w, bias = primals
-        hidden = vary(hidden, spec.batch_axes + (() if impl == "xla" and seq is None else tp))
-        return (hidden, *(None if x is None else vary(x, spec.batch_axes + tp)
-                          for x in (w, bias)))
-
-    return OpKind(local_vocab=lambda p: fmt.vocab(p[1]),
-                  reference_logits=lambda p: soft_cap(head_logits(
-                      p[0], p[1], fmt.layout, p[2], fmt.logits_dtype).astype(jnp.float32),
-                      fmt.softcap),
-                  pieces=pieces, vary=vary_primals)
-
-
-def sequence_split(spec: ShardingSpec, mesh: Mesh, time: int, impl: str,
-                    options: Any) -> tuple[str, int] | None:
-    """``(vocab_axis, k)`` when the XLA head runs sequence-parallel over its vocab axis
-    (``hidden`` split over ``T`` there, :func:`grpo_kernels.ops.lm_head_loss.xla.pieces`):
-    with a vocab axis, ``T`` divisible by it and ``dW`` summed by tokens; else ``None``
-    (``hidden`` whole on every device of the vocab axis; always with ``head_axes``, whose
-    sweep is by vocabulary blocks)."""
-    if impl != "xla" or spec.vocab_axis is None or spec.head_axes:
-        return None
-    k = mesh.shape[spec.vocab_axis]
-    by_vocab = options is not None and getattr(options, "dweight", "tokens") == "vocab"
-    return None if time % k or by_vocab else (spec.vocab_axis, k)
 
 
 def _one_pass_options(op: OpKind, impl: str, options: Any, config: GRPOLossConfig,
@@ -163,7 +60,7 @@ def _one_pass_options(op: OpKind, impl: str, options: Any, config: GRPOLossConfi
     """
     if op is not LOGITS or impl != "pallas":
         return None
-    opts = _on_mesh(options, logits_pallas.PallasOptions())
+    opts = on_mesh(options, logits_pallas.PallasOptions())
     if spec.vocab_axis is not None:
         if opts.one_pass:
             raise ValueError(
@@ -175,44 +72,28 @@ def _one_pass_options(op: OpKind, impl: str, options: Any, config: GRPOLossConfi
 
 
 def _shard_loss(primals: Primals, batch: TokenBatch, *, op: OpKind, config: GRPOLossConfig,
-                spec: ShardingSpec, impl: str, options: Any,
-                vocab: int) -> tuple[Array, dict[str, Array]]:
-    """The loss on one device's block; every collective goes through ``spec``."""
+                spec: ShardingSpec, impl: str, options: Any, vocab: int,
+                trunc: Truncation | None = None) -> tuple[Array, dict[str, Array]]:
+    """The loss on one device's block; every collective goes through ``spec``. With the
+    sampler's truncation ``trunc`` (whole rows) the metrics add ``outside_truncation``, the
+    whole batch's count."""
     one_pass = _one_pass_options(op, impl, options, config, spec)
     if one_pass is not None:
         return logits_pallas.one_pass_loss(primals[0], batch, config, one_pass,
                                            spec.batch_sum, spec.batch_gather)
-    logp, ent = statistics(primals, batch.ids, op=op, spec=spec, impl=impl, options=options,
-                           vocab=vocab, temperature=config.temperature,
-                           with_entropy=config.has_entropy_bonus)
-    return loss_and_metrics(logp, ent, batch, config, spec)
-
-
-def statistics(primals: Primals, ids: Array, *, op: OpKind, spec: ShardingSpec, impl: str,
-               options: Any, vocab: int, temperature: float,
-               with_entropy: bool) -> tuple[Array, Array]:
-    """Whole-row ``(logp, entropy)`` ``[B/b, T]`` of one device's block: the implementation's
-    statistics over the local columns combined across the vocab axis
-    (:func:`~grpo_kernels.sharding.vocab.combine`), differentiable through its gradient piece
-    on the local block (the entropy's gradient only ``with_entropy``)."""
-    owned, stat_ids, hit_ids = split_ids(ids, vocab, op.local_vocab(primals), spec)
-    if impl == "reference":
-        return reference_statistics(op.reference_logits(primals), hit_ids, temperature, spec)
-    stats, grad = op.pieces(primals, impl, options, temperature, spec, vocab)
-    primals = op.vary(primals, impl, spec)
-    logp_k, lse_k, ent_k = stats(jax.tree.map(jax.lax.stop_gradient, primals), stat_ids)
-    part, ent_part, lse, ent = combine(logp_k, lse_k, ent_k, owned, spec)
-    part, ent_part = with_softmax_gradient(grad, with_entropy, primals, part, ent_part, lse,
-                                           ent, hit_ids)
-    logp = spec.vocab_sum(part)
-    if with_entropy:
-        ent = spec.vocab_sum(ent_part)
-    return logp, ent
+    logp, ent, out = statistics(primals, batch.ids, op=op, spec=spec, impl=impl,
+                                options=options, vocab=vocab, temperature=config.temperature,
+                                with_entropy=config.has_entropy_bonus, trunc=trunc)
+    loss, metrics = loss_and_metrics(logp, ent, batch, config, spec)
+    if trunc is not None:
+        metrics["outside_truncation"] = spec.batch_sum(outside_count(out, batch.mask))
+    return loss, metrics
 
 
 def _run(op: OpKind, primals: Primals, primal_specs: tuple, batch: TokenBatch, *,
          mesh: Mesh, spec: ShardingSpec, config: GRPOLossConfig, impl: str, options: Any,
-         vocab: int, default_options: Any) -> tuple[Array, dict[str, Array]]:
+         vocab: int, default_options: Any,
+         trunc: Truncation | None = None) -> tuple[Array, dict[str, Array]]:
     """``shard_map`` of :func:`_shard_loss` over ``mesh``.
 
     ``check_vma`` is off exactly when Pallas kernels run in JAX's HLO interpreter (CPU), which
@@ -231,21 +112,12 @@ def _run(op: OpKind, primals: Primals, primal_specs: tuple, batch: TokenBatch, *
         segments=None if batch.segments is None else Segments(rows2, batch.segments.count))
     metric_specs = {"logp": rows2, "token_entropy": rows2, **{k: scalar for k in (
         "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "kl", "entropy",
-        "policy_loss", "kl_loss")}}
+        "policy_loss", "kl_loss", *(("outside_truncation",) if trunc else ()))}}
     body = functools.partial(_shard_loss, op=op, config=config, spec=spec, impl=impl,
-                             options=options, vocab=vocab)
+                             options=options, vocab=vocab, trunc=trunc)
     fn = jax.shard_map(body, mesh=mesh, in_specs=(primal_specs, batch_specs),
                        out_specs=(scalar, metric_specs), check_vma=not interpreted)
     return fn(*to_layout((primals, batch), (primal_specs, batch_specs), mesh))
-
-
-def head_spec(spec: ShardingSpec, mesh: Mesh, impl: str, hidden: int) -> ShardingSpec:
-    """``spec`` for a hidden-state op: its ``head_axes`` kept only for the xla head (the
-    others take the head with ``H`` whole), and then checked against ``hidden``."""
-    if impl != "xla":
-        return spec.whole_head()
-    spec.check_head(mesh, hidden, "hidden/lm_head")
-    return spec
 
 
 def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array, *,
@@ -302,9 +174,11 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
     validate_token_inputs(logits, ids, mask, advantages, config, old_logps, ref_logps,
                           sampler_weights, sampler_logps, segments)
     b, _, vocab = logits.shape
-    refuse_truncation(config, vocab, "sharded_grpo_loss")
     spec = resolve(sharding, mesh, b, vocab, "logits")
+    requested = impl
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
+    trunc, impl, options = mesh_truncation(config.top_k, config.top_p, config.min_p, vocab,
+                                           spec, impl, requested, options, "sharded_grpo_loss")
     softcap = check_softcap(logit_softcap)
     if check_ids:
         check_ids_in_range(ids, mask, vocab)
@@ -312,7 +186,7 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
                           sampler_weights, sampler_logps, segments)
     return _run(logits_kind(softcap), (logits,), (spec.logits(),), batch, mesh=mesh, spec=spec,
                 config=config, impl=impl, options=options, vocab=vocab,
-                default_options=logits_pallas.PallasOptions())
+                default_options=logits_pallas.PallasOptions(), trunc=trunc)
 
 
 def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mask: Array,
@@ -379,14 +253,17 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
       >>> bool(jnp.allclose(dw, want, atol=1e-5))
       True
     """
+    requested = impl
     impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
     fmt = head_api.validate_call(hidden, lm_head, ids, mask, advantages, config, old_logps,
                                  ref_logps, lm_head_layout, bias, logits_dtype,
                                  sampler_weights, sampler_logps, logit_softcap, segments)
     vocab = fmt.vocab(lm_head)
-    refuse_truncation(config, vocab, "sharded_grpo_loss_from_hidden")
-    spec = head_spec(resolve(sharding, mesh, hidden.shape[0], vocab, "hidden/lm_head"), mesh,
-                     impl, hidden.shape[-1])
+    spec = resolve(sharding, mesh, hidden.shape[0], vocab, "hidden/lm_head")
+    trunc, impl, options = mesh_truncation(config.top_k, config.top_p, config.min_p, vocab,
+                                           spec, impl, requested, options,
+                                           "sharded_grpo_loss_from_hidden")
+    spec = head_spec(spec, mesh, impl, hidden.shape[-1])
     if check_ids:
         check_ids_in_range(ids, mask, vocab)
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
@@ -396,4 +273,4 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
                     spec.head(fmt.layout), None if bias is None else spec.vector())
     return _run(head_kind(fmt, seq), (hidden, lm_head, bias), primal_specs, batch, mesh=mesh,
                 spec=spec, config=config, impl=impl, options=options, vocab=vocab,
-                default_options=head_pallas.LmHeadPallasOptions())
+                default_options=head_pallas.LmHeadPallasOptions(), trunc=trunc)

@@ -251,8 +251,8 @@ def test_losses_take_the_truncation(level, tr, dweight):
 
 
 def test_where_no_truncation_runs_it_is_refused_by_name():
-    """The loss's Pallas kernels, the fused head's xla quantile pass and the sharded losses
-    raise a ValueError that names what does not take the options; ``impl="auto"`` takes xla."""
+    """The loss's Pallas kernels (also on a mesh) and the fused head's xla quantile pass raise
+    a ValueError that names what does not take the options; ``impl="auto"`` takes xla."""
     from grpo_kernels import GRPOLossConfig, grpo_loss, grpo_loss_from_hidden
     from grpo_kernels.sharding import ShardingSpec, sharded_grpo_loss
 
@@ -268,6 +268,6 @@ def test_where_no_truncation_runs_it_is_refused_by_name():
         grpo_loss_from_hidden(z, jnp.ones((40, 7)), ids, mask, adv, impl="xla",
                               config=GRPOLossConfig(top_p=0.5, top_entropy_quantile=0.5))
     mesh = jax.make_mesh((1,), ("dp",))
-    with pytest.raises(ValueError, match="sharded_grpo_loss does not take"):
+    with pytest.raises(ValueError, match="impl='pallas' does not truncate"):
         sharded_grpo_loss(z, ids, mask, adv, mesh=mesh, sharding=ShardingSpec("dp"),
-                          config=cfg)
+                          config=cfg, impl="pallas")

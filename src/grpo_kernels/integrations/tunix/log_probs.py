@@ -21,9 +21,10 @@ nothing else: ours holds no ``[B, T, V]`` whatever it is.
 With a sampler's truncation bound (:func:`patch_log_probs`' ``truncation``, set by
 :func:`~grpo_kernels.integrations.tunix.follow_sampler`) every pass we answer gives the
 log-probs of the distribution the sampler drew from (:func:`grpo_kernels.token_logps_from_hidden`'s
-``top_k`` / ``top_p`` / ``min_p``), and the entropies of it; a pass that cannot take it (a
-``compute_final_logits`` head, a mesh, a model read by neither way) raises ValueError rather
-than return the whole vocabulary's.
+``top_k`` / ``top_p`` / ``min_p``), and the entropies of it; on a mesh each device then holds
+whole rows of its batch shard (the head gathered whole; :func:`placement`'s ``whole_rows``). A
+pass that cannot take it (a ``compute_final_logits`` head, a model read by neither way) raises
+ValueError rather than return the whole vocabulary's.
 
 Every other call goes to tunix's function with exactly the arguments its caller gave: logits
 asked for (0.1.7's ``return_logits``), images, a negative temperature, an argument tunix's
@@ -145,12 +146,11 @@ def _log_probs_pass(impl: str, options: Any, tunix_fn: Callable,
         else:
             hidden, head = completion_hidden(model, inputs, t)
             vocab = head_vocab(head)
-            where = placement(model, hidden.shape[0], vocab, head)
-            if where is not None:
-                refuse_truncated(trunc, "on a mesh", vocab)
+            where = placement(model, hidden.shape[0], vocab, head,
+                              whole_rows=trunc is not None and trunc.active(vocab))
             logps_fn = functools.partial(token_logps_from_hidden, **sampler) if where is None \
                 else functools.partial(sharded_token_logps_from_hidden, mesh=where[0],
-                                       sharding=where[1])
+                                       sharding=where[1], **sampler)
             logp, ent = logps_fn(hidden, head.weights, ids, lm_head_layout=head.layout,
                                  logits_dtype=head.dtype, logit_softcap=head.softcap,
                                  temperature=tau, impl=impl, return_entropy=True,

@@ -24,7 +24,7 @@ from grpo_kernels.integrations.tunix.models import (call_model, completion_hidde
 from grpo_kernels.integrations.tunix.outputs import policy_output
 from grpo_kernels.integrations.tunix.placement import placement
 from grpo_kernels.objective.batch import TokenBatch
-from grpo_kernels.ops.core.truncation import refuse_truncation
+from grpo_kernels.ops.core.truncation import config_truncation, refuse_truncation
 from grpo_kernels.ops.core.validate import validate_token_inputs
 from grpo_kernels.ops.lm_head_loss.api import default_impl as default_head_impl
 from grpo_kernels.ops.lm_head_loss.api import grpo_loss_from_hidden
@@ -84,7 +84,8 @@ def logits_policy_loss(model: Any, train_example: Any, algo_config: Any, pad_id:
         logits = model.compute_final_logits(function_hidden(model, inputs, t))
     else:
         logits = call_model(model, inputs)[0][:, -t - 1:-1, :]
-    where = placement(model, *logits.shape[::2])
+    where = placement(model, *logits.shape[::2],
+                      whole_rows=config_truncation(config, logits.shape[-1]) is not None)
     loss_fn = grpo_loss if where is None else functools.partial(
         sharded_grpo_loss, mesh=where[0], sharding=where[1])
     loss, metrics = loss_fn(logits, ex.ids, ex.mask, ex.advantages, config=config,
@@ -115,7 +116,9 @@ def fused_policy_loss(model: Any, train_example: Any, algo_config: Any, pad_id: 
                                       options)
     else:
         hidden, head = completion_hidden(model, inputs, t)
-        where = placement(model, hidden.shape[0], head_vocab(head), head)
+        vocab = head_vocab(head)
+        where = placement(model, hidden.shape[0], vocab, head,
+                          whole_rows=config_truncation(config, vocab) is not None)
         loss_fn = grpo_loss_from_hidden if where is None else functools.partial(
             sharded_grpo_loss_from_hidden, mesh=where[0], sharding=where[1])
         loss, metrics = loss_fn(

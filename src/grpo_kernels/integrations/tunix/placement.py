@@ -34,8 +34,8 @@ def _mesh_axes(entry: Any, mesh: Any) -> tuple[str, ...]:
                  and mesh.shape[n] > 1)
 
 
-def placement(model: Any, batch: int, vocab: int,
-              head: Head | None = None) -> tuple[Any, ShardingSpec] | None:
+def placement(model: Any, batch: int, vocab: int, head: Head | None = None,
+              whole_rows: bool = False) -> tuple[Any, ShardingSpec] | None:
     """``(mesh, ShardingSpec)`` for our sharded ops when ``model`` runs on a mesh, else None.
 
     The axes are the model's own (``model.config.shd_config``, tunix's ``ShardingConfig``):
@@ -47,6 +47,11 @@ def placement(model: Any, batch: int, vocab: int,
     tunix places it (``emb_vd``'s second entry for a tied table, ``emb_dv``'s first for an
     ``lm_head``; ``fsdp``) become ``head_axes``: the xla head then gathers its weights block by
     block instead of whole.
+
+    ``whole_rows``: each device must hold whole vocabulary rows (a sampler's truncation, whose
+    floor is a statistic of the row: :mod:`grpo_kernels.sharding.truncation`); then nothing
+    splits the vocabulary or the head (no vocab axis, no ``head_axes``: the head is gathered
+    whole on each device, and the devices of the tensor-parallel axis compute the same rows).
     """
     mesh = context_mesh()
     shd = getattr(getattr(model, "config", None), "shd_config", None)
@@ -57,10 +62,11 @@ def placement(model: Any, batch: int, vocab: int,
     if batch % math.prod(mesh.shape[a] for a in batch_axes):
         batch_axes = ()
     vocab_axis = vocab_axes[0] if len(vocab_axes) == 1 and vocab_axes[0] not in batch_axes \
-        and vocab % mesh.shape[vocab_axes[0]] == 0 else None
+        and vocab % mesh.shape[vocab_axes[0]] == 0 and not whole_rows else None
     if not batch_axes and vocab_axis is None:
         return None
-    return mesh, ShardingSpec(batch_axes, vocab_axis, _head_axes(shd, head, mesh, batch_axes))
+    head_axes = () if whole_rows else _head_axes(shd, head, mesh, batch_axes)
+    return mesh, ShardingSpec(batch_axes, vocab_axis, head_axes)
 
 
 def _head_axes(shd: Any, head: Head | None, mesh: Any,

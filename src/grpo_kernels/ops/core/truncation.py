@@ -101,7 +101,7 @@ def refuse_truncation(config: Any, vocab: int, who: str) -> None:
     ``who`` does not take a truncation."""
     if config_truncation(config, vocab) is not None:
         raise ValueError(f"top_k / top_p / min_p: {who} does not take a sampler's "
-                         "truncation; use grpo_loss or grpo_loss_from_hidden on one device")
+                         "truncation; use grpo_loss or grpo_loss_from_hidden")
 
 
 def outside_count(outside: Array, mask: Array) -> Array:
@@ -132,11 +132,14 @@ def _mass_above_each(vals: Array, e: Array) -> Array:
     return jnp.take_along_axis(excl, first, axis=-1)
 
 
-def _whole_top_k(x: Array, k: int) -> tuple[Array, Array]:
-    """``lax.top_k`` behind a barrier: where only a slice of its values is used, XLA folds the
-    slice into the sort it expands top-k to and sorts every row whole (XLA:CPU: 80x slower
-    than its top-k call at V = 32,768)."""
-    return jax.lax.optimization_barrier(jax.lax.top_k(x, k))
+def _whole_top_k(x: Array, k: int, output: int) -> Array:
+    """Output ``output`` of ``lax.top_k`` (0: values, 1: indices) behind a barrier: where only
+    a slice of its values is used, XLA folds the slice into the sort it expands top-k to and
+    sorts every row whole (XLA:CPU: 80x slower than its top-k call at V = 32,768). One output
+    alone goes through the barrier: with both, XLA:CPU's simplifier folds the pair back into the
+    top-k itself, which its top-k decomposer then fails on (a CHECK abort under a partitioned
+    ``jit``)."""
+    return jax.lax.optimization_barrier(jax.lax.top_k(x, k)[output])
 
 
 def top_k_values(s: Array, k: int, group: int = TOP_K_GROUP) -> Array:
@@ -152,14 +155,14 @@ def top_k_values(s: Array, k: int, group: int = TOP_K_GROUP) -> Array:
     *lead, vocab = s.shape
     blocks = -(-vocab // group)
     if blocks < 4 * k:
-        return _whole_top_k(s, k)[0]
+        return _whole_top_k(s, k, 0)
     pad = blocks * group - vocab
     if pad:
         s = jnp.pad(s, [(0, 0)] * len(lead) + [(0, pad)], constant_values=-jnp.inf)
     x = s.reshape(*lead, blocks, group)
-    _, idx = _whole_top_k(jnp.max(x, axis=-1), k)
+    idx = _whole_top_k(jnp.max(x, axis=-1), k, 1)
     cand = jnp.take_along_axis(x, idx[..., None], axis=-2).reshape(*lead, k * group)
-    return _whole_top_k(cand, k)[0]
+    return _whole_top_k(cand, k, 0)
 
 
 def _top_p_floor_bisect(s: Array, e: Array, target: Array, lo: Array, m: Array) -> Array:
@@ -243,7 +246,8 @@ def _ties_beyond(s: Array, vals: Array, floor: Array, m_safe: Array, k: int) -> 
     def count(s):
         return jnp.sum((s == kth[..., None]).astype(jnp.int32), axis=-1) - listed
 
-    n = jax.lax.cond(jnp.any(need), count, lambda s: jnp.zeros(kth.shape, jnp.int32), s)
+    # listed * 0, not a fresh zeros: under shard_map both branches vary over the same axes
+    n = jax.lax.cond(jnp.any(need), count, lambda s: listed * 0, s)
     return jnp.where(need, n, 0).astype(_F32) * jnp.exp(kth - m_safe)
 
 

@@ -108,8 +108,10 @@ def check_truncation(impl: str, requested: str, options: Any, vocab: int, top_k:
     return (trunc, *truncation_impl(impl, requested, options))
 
 
-def _results(logp: Array, ent: Array, outside: Array | None, return_entropy: bool,
-             return_outside: bool) -> Array | tuple[Array, ...]:
+def results(logp: Array, ent: Array, outside: Array | None, return_entropy: bool,
+            return_outside: bool) -> Array | tuple[Array, ...]:
+    """``logp``, then ``ent`` and ``outside`` (all False where None) as the log-prob ops'
+    ``return_entropy`` / ``return_outside`` ask."""
     if outside is None:
         outside = jnp.zeros(logp.shape, jnp.bool_)
     out = (logp, *((ent,) if return_entropy else ()), *((outside,) if return_outside else ()))
@@ -183,7 +185,7 @@ def token_logps(logits: Array, ids: Array, *, temperature: float = 1.0,
         logp, ent, outside = from_pieces(*logits_pallas.pieces(logits.shape, logits.dtype,
                                                                options, tau, softcap),
                                          (logits,), ids, return_entropy)
-    return _results(logp, ent, outside, return_entropy, return_outside)
+    return results(logp, ent, outside, return_entropy, return_outside)
 
 
 def token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *,
@@ -264,4 +266,4 @@ def token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *,
         logp, ent, outside = from_pieces(*head_pallas.pieces(hidden, lm_head, fmt, options,
                                                              tau),
                                          primals, ids, return_entropy)
-    return _results(logp, ent, outside, return_entropy, return_outside)
+    return results(logp, ent, outside, return_entropy, return_outside)
