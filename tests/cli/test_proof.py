@@ -354,7 +354,8 @@ def test_dry_run_records_every_phase(tmp_path):
         else:
             assert rec["rc"] == 0, name
     assert records["gradcheck_family_pallas"]["rows"][0]["impl"] == "pallas"
-    assert len(records["gradcheck_family_pallas"]["rows"]) == 22
+    # the dry plan's family at the sequence level only (the pallas kernels' two-kernel path)
+    assert len(records["gradcheck_family_pallas"]["rows"]) == 11
     fig = report["figures"]
     assert fig["copy"]["bandwidth_bytes_per_s"] > 0
     assert set(fig["logits"]) == {"B1_T8", "B2_T5"}

@@ -136,9 +136,12 @@ FAMILY_VARIANTS: tuple[dict[str, Any], ...] = (
 )
 
 
-def family_configs(base: GRPOLossConfig, time: int):
-    """:data:`FAMILY_VARIANTS` x level (token, sequence) on top of ``base``."""
-    for variant, level in itertools.product(FAMILY_VARIANTS, ("token", "sequence")):
+LEVELS = ("token", "sequence")
+
+
+def family_configs(base: GRPOLossConfig, time: int, levels: tuple[str, ...] = LEVELS):
+    """:data:`FAMILY_VARIANTS` x ``levels`` (default: token, sequence) on top of ``base``."""
+    for variant, level in itertools.product(FAMILY_VARIANTS, levels):
         yield dataclasses.replace(
             base, **{"importance_sampling_level": level, "delta": None, "dual_clip": None,
                      "max_completion_length": base.max_completion_length or time, **variant})
@@ -155,6 +158,15 @@ def grid_configs(base: GRPOLossConfig, time: int):
             temperature=temp, max_completion_length=base.max_completion_length or time,
         )
     yield from family_configs(base, time)
+
+
+def _levels(text: str) -> tuple[str, ...]:
+    levels = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    bad = [x for x in levels if x not in LEVELS]
+    if bad or not levels:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated subset of "
+                                         f"{','.join(LEVELS)}")
+    return levels
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -181,6 +193,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--family", action="store_true",
                    help="only the family variants of --grid (CISPO ... entropy), at both levels, "
                    "in --dtype (default float32)")
+    p.add_argument("--family-levels", type=_levels, default=LEVELS, metavar="LEVELS",
+                   help="comma-separated importance-sampling levels of --family (default: "
+                   "token,sequence)")
     p.add_argument("--json", action="store_true", help="one JSON object per check, nothing else")
     common.add_loss_flags(p)
     common.add_wandb_flags(p)
@@ -211,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
         jobs = [(c, dataclasses.replace(settings, dtype=d))
                 for d in ("float32", "bfloat16") for c in grid_configs(config, settings.time)]
     elif args.family:
-        jobs = [(c, settings) for c in family_configs(config, settings.time)]
+        jobs = [(c, settings) for c in family_configs(config, settings.time,
+                                                      args.family_levels)]
     else:
         jobs = [(config, settings)]
     records = []

@@ -108,8 +108,9 @@ def phases(groups: set[str], plan: Plan = REAL) -> list[tuple[str, list[str], in
                 out.append((f"gradcheck_{impl}_B{b}_T{t}",
                             _cli("gradcheck", "--impl", impl, "--json", *shape(b, t)), 120))
         fb, ft, fv = plan.family
-        out.append(("gradcheck_family_pallas", _cli("gradcheck", "--impl", "pallas", "--family",
-                                                     "--json", *shape(fb, ft, fv)), 150))
+        out.append(("gradcheck_family_pallas", _cli(
+            "gradcheck", "--impl", "pallas", "--family", "--family-levels", plan.family_levels,
+            "--json", *shape(fb, ft, fv)), 150))
         bench = ["bench", "--impl", "reference,xla,pallas", "--iters", plan.iters, "--warmup", 3,
                  "--format", "json"]
         for b, t in plan.logits_shapes:

@@ -33,6 +33,7 @@ class Plan:
     groups: tuple[str, ...] = ("env", "logits", "lm_head", "liger")
     head: tuple[int, int, int, int] = (1, 8192, 4096, 151936)  # B, T, H, V
     family: tuple[int, int, int] = (2, 256, 32773)  # B, T, V: four full tiles and a tail
+    family_levels: str = "token,sequence"  # the levels the family's gradcheck runs at
     copy_rows: int = 4096
     gradcheck_impls: tuple[str, ...] = ("pallas", "xla")
     memory_impls: tuple[str, ...] = ("reference", "xla", "pallas")
@@ -77,7 +78,8 @@ LAYOUTS = dataclasses.replace(REAL, name="layouts", groups=("env", "layouts"))
 DRY = Plan("dry", logits_shapes=((1, 8), (2, 5)), vocab=300,
            layout_shapes=((16, 300), (8, 256)), layout_block_vocab=128,
            layout_tilings=((256, 4),), one_pass_tilings=((128, 4, 3, 1), (128, 4, 3, 3, 0)),
-           head=(1, 16, 32, 300), family=(2, 6, 300), copy_rows=16, iters=2, head_iters=2,
+           head=(1, 16, 32, 300), family=(2, 6, 300), family_levels="sequence", copy_rows=16,
+           iters=2, head_iters=2,
            groups=GROUPS)
 # A training step, not an op: the update of each loss arm, tunix's update, the fused head
 # beside Liger, and a short trainer A/B (under 8 minutes on an H100 is the aim).

@@ -18,8 +18,9 @@ from grpo_kernels.objective.gradient import RowGrad
 from grpo_kernels.ops.core.tpu import GENERATIONS, VMEM_BYTES
 from grpo_kernels.ops.logits_loss import pallas_tpu
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
-from tests.helpers import (cuda_export, family_grid, family_id, grid_id, loss_grid_split,
-                           option_grid, option_id, reference_value_and_grad, rel_err)
+from grpo_kernels.config import CLASSIC_LOSS_TYPES
+from tests.helpers import (cuda_export, family_grid, family_id, grid_id, option_grid, option_id,
+                           pairwise, reference_value_and_grad, rel_err)
 from tests.ops.logits_loss.test_impls import assert_matches_reference
 
 KERNELS = ("tpu", "gpu")
@@ -36,15 +37,19 @@ def small_blocks(kernel: str, dtype) -> PallasOptions:
     return PallasOptions(kernel="gpu", blocks=PallasBlockSizes(block_vocab=128))
 
 
-# The grid runs once over the two kernels, the dtype alternating over it
-# (tests.helpers.loss_grid_split) and the kernel chosen so that each kernel meets every pair of
-# dtype and temperature, every loss type, both levels and both betas. The
-# kernels see only the temperature and the per-token gradient coefficient, so the full grid
-# per kernel and dtype (as test_impls.py runs it for xla) adds no path through them.
+# The kernels see only the temperature and the per-token gradient coefficient (loss type, level
+# and beta reach them as that coefficient), and the level picks their path (token level: the
+# TPU's one-pass kernel; sequence level: two kernels). So the grid is a covering design: every
+# pair of levels of (kernel and level together, dtype, loss type, beta, temperature) once
+# (tests.helpers.pairwise), which runs each kernel's every path in both dtypes and at both
+# temperatures, with every loss type and both betas; test_impls.py runs the whole grid on xla.
 # delta only changes the per-token coefficient the kernels are handed, so the grid here leaves
 # it off (test_impls.py and gradcheck run it).
-GRID = [(KERNELS[(i + i // 2) % 2], c, d)
-        for i, (c, d) in enumerate((c, d) for c, d in loss_grid_split(7) if c.delta is None)]
+GRID = [(kernel, GRPOLossConfig(loss_type=lt, importance_sampling_level=level, beta=beta,
+                                temperature=temp, max_completion_length=7), dtype)
+        for (kernel, level), dtype, lt, beta, temp in pairwise(
+            [(k, lvl) for k in KERNELS for lvl in ("token", "sequence")],
+            (jnp.float32, jnp.bfloat16), CLASSIC_LOSS_TYPES, (0.0, 0.04), (1.0, 0.7))]
 
 
 @pytest.mark.parametrize(
