@@ -17,7 +17,7 @@ from flax import nnx  # noqa: E402
 from tunix.rl import common  # noqa: E402
 from tunix.rl.rollout.base_rollout import RolloutConfig  # noqa: E402
 
-from grpo_kernels import token_logps  # noqa: E402
+from grpo_kernels import LmHeadBlockSizes, token_logps  # noqa: E402
 from grpo_kernels.integrations import tunix as ours  # noqa: E402
 from grpo_kernels.integrations.tunix.inputs import token_inputs  # noqa: E402
 from grpo_kernels.integrations.tunix.models import call_model  # noqa: E402
@@ -127,16 +127,29 @@ def test_first_step_ratio_is_one_with_it_and_biased_without():
                                rtol=1e-5, atol=1e-5)
 
 
-def test_what_cannot_truncate_raises():
-    """A compute_final_logits head (MaxText's adapter) is read a chunk at a time without a
-    truncation: the fused loss and the patched pass raise rather than score the whole row."""
+def test_a_head_function_truncates_a_chunk_at_a_time():
+    """A compute_final_logits head (MaxText's adapter), read a chunk of positions at a time:
+    with the old log-probs the reference's truncated ones of its logits, the fused loss's
+    ratio is 1 on every token, its outside share is the reference's, and the patched pass
+    gives those log-probs (each chunk holds whole rows, so its floors are found there)."""
     model = AdapterModel(seed=1)
     ex = train_example(model, seed=2, ref=False)
+    trunc = Truncation(top_k=20, top_p=0.9)
+    sampler_logps, _, outside = truncated_logps(model, ex.prompt_ids, ex.completion_ids, trunc)
+    ex = dataclasses.replace(ex, old_per_token_logps=sampler_logps)
+    mask = np.asarray(ex.completion_mask, bool)
+    share = float(np.asarray(outside)[mask].mean())
+    assert 0 < share < 1
     cfg = algo_config(*TUNIX_LIKE)
-    ours.follow_sampler(cfg, cluster(top_k=20))
-    with pytest.raises(ValueError, match="top_k / top_p / min_p"):
-        ours.fused_policy_loss(model, ex, cfg, PAD, EOS)
+    ours.follow_sampler(cfg, cluster(top_k=20, top_p=0.9))
+    result = ours.fused_policy_loss(model, ex, cfg, PAD, EOS,
+                                    options=LmHeadBlockSizes(chunk_tokens=8))
+    aux = result[1] if isinstance(result, tuple) else result.aux_metrics
+    for key in ("is_ratio/max", "is_ratio/min"):
+        assert abs(float(np.asarray(aux[key])) - 1) <= 1e-5, key
+    assert abs(float(np.asarray(aux["grpo_kernels/outside_truncation"])) - share) <= 1e-6
     graphdef, state = nnx.split(model)
-    with pytest.raises(ValueError, match="compute_final_logits"):
-        common.compute_per_token_logps(graphdef, state, ex.prompt_ids, ex.completion_ids, PAD,
-                                       EOS)
+    got = common.compute_per_token_logps(graphdef, state, ex.prompt_ids, ex.completion_ids, PAD,
+                                         EOS, temperature=TAU)
+    np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(sampler_logps)[mask],
+                               rtol=1e-5, atol=1e-5)

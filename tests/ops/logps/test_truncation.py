@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_kernels import LmHeadBlockSizes, XlaBlockSizes, token_logps, token_logps_from_hidden
+from grpo_kernels import (LmHeadBlockSizes, XlaBlockSizes, token_logps, token_logps_from_head_fn,
+                          token_logps_from_hidden)
 from grpo_kernels.ops.core.truncation import Truncation, listed_stats, support_floor
 from tests.helpers import rel_err
 from tests.oracle import truncated_oracle
@@ -81,7 +82,7 @@ def _oracle_of(s, ids, tr):
 CASES = [("xla", tr, ("float32", "bfloat16")[i % 2]) for i, tr in enumerate(TRUNCATIONS)] + [
     ("reference", TRUNCATIONS[3], "bfloat16")]
 HEAD_CASES = [("xla", tr, ("tokens", "vocab")[i % 2]) for i, tr in enumerate(TRUNCATIONS)] + [
-    ("reference", TRUNCATIONS[3], "tokens")]
+    ("reference", TRUNCATIONS[3], "tokens"), ("function", TRUNCATIONS[3], "tokens")]
 
 
 @pytest.mark.parametrize("impl,tr,dtype", CASES,
@@ -119,7 +120,9 @@ def test_logits_path_equals_the_oracle(impl, tr, dtype):
                          ids=[f"{i}-{_tid(t)}-{d}" for i, t, d in HEAD_CASES])
 def test_hidden_path_equals_the_oracle(impl, tr, dweight):
     """token_logps_from_hidden: the floors found inside the head's token chunks, gradients
-    w.r.t. the hidden states and the head (both ``dweight`` modes) from the oracle's."""
+    w.r.t. the hidden states and the head (both ``dweight`` modes) from the oracle's; and
+    token_logps_from_head_fn (``impl="function"``: the head as a function, three chunks of
+    two positions, one of them padded)."""
     b, t, hdim, v = 2, 5, 16, 300
     k1, k2 = jax.random.split(jax.random.key(3))
     h = jax.random.normal(k1, (b, t, hdim))
@@ -129,9 +132,14 @@ def test_hidden_path_equals_the_oracle(impl, tr, dweight):
     opts = LmHeadBlockSizes(chunk_tokens=4, dweight=dweight) if impl == "xla" else None
 
     def f(h, w_head):
-        logp, ent, outside = token_logps_from_hidden(
-            h, w_head, ids, temperature=TAU, impl=impl, options=opts, return_entropy=True,
-            return_outside=True, top_k=tr.top_k, top_p=tr.top_p, min_p=tr.min_p)
+        kw = dict(temperature=TAU, return_entropy=True, return_outside=True, top_k=tr.top_k,
+                  top_p=tr.top_p, min_p=tr.min_p)
+        if impl == "function":
+            logp, ent, outside = token_logps_from_head_fn(
+                h, lambda x: x @ w_head, ids, blocks=LmHeadBlockSizes(chunk_tokens=4), **kw)
+        else:
+            logp, ent, outside = token_logps_from_hidden(h, w_head, ids, impl=impl,
+                                                         options=opts, **kw)
         return jnp.sum(logp * wts), (logp, ent, outside)
 
     (_, got), (dh, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(h, w_head)

@@ -22,9 +22,9 @@ With a sampler's truncation bound (:func:`patch_log_probs`' ``truncation``, set 
 :func:`~grpo_kernels.integrations.tunix.follow_sampler`) every pass we answer gives the
 log-probs of the distribution the sampler drew from (:func:`grpo_kernels.token_logps_from_hidden`'s
 ``top_k`` / ``top_p`` / ``min_p``), and the entropies of it; on a mesh each device then holds
-whole rows of its batch shard (the head gathered whole; :func:`placement`'s ``whole_rows``). A
-pass that cannot take it (a ``compute_final_logits`` head, a model read by neither way) raises
-ValueError rather than return the whole vocabulary's.
+whole rows of its batch shard (the head gathered whole; :func:`placement`'s ``whole_rows``);
+through a ``compute_final_logits`` head each chunk of positions holds whole rows. A model read
+by neither way raises ValueError rather than return the whole vocabulary's.
 
 Every other call goes to tunix's function with exactly the arguments its caller gave: logits
 asked for (0.1.7's ``return_logits``), images, a negative temperature, an argument tunix's
@@ -139,10 +139,9 @@ def _log_probs_pass(impl: str, options: Any, tunix_fn: Callable,
         if how == "function":
             hidden = function_hidden(model, inputs, t)
             vocab = jax.eval_shape(model.compute_final_logits, hidden[:, :1]).shape[-1]
-            refuse_truncated(trunc, "through compute_final_logits", vocab)
             logp, ent = token_logps_from_head_fn(hidden, model.compute_final_logits, ids,
                                                  temperature=tau, return_entropy=True,
-                                                 blocks=function_blocks(options))
+                                                 blocks=function_blocks(options), **sampler)
         else:
             hidden, head = completion_hidden(model, inputs, t)
             vocab = head_vocab(head)

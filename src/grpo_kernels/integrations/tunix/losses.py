@@ -24,7 +24,7 @@ from grpo_kernels.integrations.tunix.models import (call_model, completion_hidde
 from grpo_kernels.integrations.tunix.outputs import policy_output
 from grpo_kernels.integrations.tunix.placement import placement
 from grpo_kernels.objective.batch import TokenBatch
-from grpo_kernels.ops.core.truncation import config_truncation, refuse_truncation
+from grpo_kernels.ops.core.truncation import config_truncation, outside_count
 from grpo_kernels.ops.core.validate import validate_token_inputs
 from grpo_kernels.ops.lm_head_loss.api import default_impl as default_head_impl
 from grpo_kernels.ops.lm_head_loss.api import grpo_loss_from_hidden
@@ -138,18 +138,23 @@ def function_loss(model: Any, hidden: Array, ex: Example, config: GRPOLossConfig
                   options: Any = None) -> tuple[Array, dict[str, Array]]:
     """``(loss, metrics)`` of :func:`grpo_kernels.grpo_loss` with the logits
     ``model.compute_final_logits(hidden)``, formed a chunk at a time: the log-probs and
-    entropies of :func:`grpo_kernels.token_logps_from_head_fn`, the objective on them."""
+    entropies of :func:`grpo_kernels.token_logps_from_head_fn` (under the config's sampler
+    truncation, with the metric ``outside_truncation``), the objective on them."""
     vocab = jax.eval_shape(model.compute_final_logits, hidden[:, :1]).shape[-1]
-    refuse_truncation(config, vocab, "a compute_final_logits head (read a chunk at a time)")
+    trunc = config_truncation(config, vocab)
     validate_token_inputs(jax.ShapeDtypeStruct((*ex.ids.shape, vocab), hidden.dtype), ex.ids,
                           ex.mask, ex.advantages, config, ex.old_logps, ex.ref_logps,
                           ex.sampler_weights, None, ex.segments)
-    logp, entropy = token_logps_from_head_fn(hidden, model.compute_final_logits, ex.ids,
-                                             temperature=config.temperature,
-                                             return_entropy=True, blocks=function_blocks(options))
+    sampler = {} if trunc is None else dict(top_k=trunc.top_k, top_p=trunc.top_p,
+                                             min_p=trunc.min_p)
+    logp, entropy, outside = token_logps_from_head_fn(
+        hidden, model.compute_final_logits, ex.ids, temperature=config.temperature,
+        return_entropy=True, blocks=function_blocks(options), return_outside=True, **sampler)
     batch = TokenBatch.of(ex.ids, ex.mask, ex.advantages, ex.old_logps, ex.ref_logps, None,
                           ex.sampler_weights, None, ex.segments)
     loss, metrics, _ = batch.loss(logp, entropy, config, with_grad=False)
+    if trunc is not None:
+        metrics["outside_truncation"] = outside_count(outside, batch.mask)
     return loss, metrics
 
 

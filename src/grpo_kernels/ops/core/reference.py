@@ -22,18 +22,20 @@ def token_logp_and_entropy(logits: Array, ids: Array, temperature: float,
 
 
 def truncated_token_logps(logits: Array, ids: Array, temperature: float,
-                          softcap: float | None, trunc: Truncation | None
-                          ) -> tuple[Array, Array, Array | None]:
+                          softcap: float | None, trunc: Truncation | None,
+                          by_sorting: bool = True) -> tuple[Array, Array, Array | None]:
     """``(logp, entropy, outside)`` of the sampler's truncated distribution
-    (:mod:`.truncation`): the floor of each row found by sorting it whole, the row's entries
-    below it (but the chosen one) at ``-inf``, then :func:`token_logp_and_entropy`'s
-    ``log_softmax``; ``outside`` marks the ids below their floor. The floor is a constant of
-    the gradient. ``trunc=None``: :func:`token_logp_and_entropy` and ``outside`` None."""
+    (:mod:`.truncation`): the floor of each row found by sorting it whole (``by_sorting``;
+    else by :func:`.truncation.support_floor`'s top-k and bisection, no sorted copy), the
+    row's entries below it (but the chosen one) at ``-inf``, then
+    :func:`token_logp_and_entropy`'s ``log_softmax``; ``outside`` marks the ids below their
+    floor. The floor is a constant of the gradient. ``trunc=None``:
+    :func:`token_logp_and_entropy` and ``outside`` None."""
     if trunc is None:
         return (*token_logp_and_entropy(logits, ids, temperature, softcap), None)
     scaled, ids = _scaled(logits, ids, temperature, softcap)
     floor = jax.lax.stop_gradient(support_floor(jax.lax.stop_gradient(scaled), trunc,
-                                                by_sorting=True))
+                                                by_sorting=by_sorting))
     hit = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1) == ids[..., None]
     chosen = jnp.take_along_axis(jax.lax.stop_gradient(scaled), ids[..., None], axis=-1)
     return (*_logp_and_entropy(truncate(scaled, floor, hit), ids), outside(chosen[..., 0], floor))

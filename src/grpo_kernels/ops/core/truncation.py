@@ -96,14 +96,6 @@ def truncation_impl(impl: str, requested: str, options: Any) -> tuple[str, Any]:
     return "xla", None
 
 
-def refuse_truncation(config: Any, vocab: int, who: str) -> None:
-    """ValueError when a loss config truncates (``top_k`` / ``top_p`` / ``min_p``) where
-    ``who`` does not take a truncation."""
-    if config_truncation(config, vocab) is not None:
-        raise ValueError(f"top_k / top_p / min_p: {who} does not take a sampler's "
-                         "truncation; use grpo_loss or grpo_loss_from_hidden")
-
-
 def outside_count(outside: Array, mask: Array) -> Array:
     """The number of unmasked tokens a truncation would have dropped (float32): the loss
     metric ``outside_truncation``."""

@@ -10,7 +10,10 @@ each chunk's ``[B, c, V]`` logits are formed, reduced to
     \log\pi_{bt} = s_{bt, y_{bt}} - \log\sum_v e^{s_{btv}}, \qquad
     H_{bt} = -\sum_v \pi_{btv} \log \pi_{btv}, \qquad s = \mathrm{float32}(z) / \tau,
 
-and dropped (:func:`jax.lax.scan` over the chunks). The chunk's function is rematerialised
+and dropped (:func:`jax.lax.scan` over the chunks). Under a sampler's truncation (``top_k``,
+``top_p``, ``min_p``: :mod:`grpo_kernels.ops.core.truncation`) each chunk holds whole rows, so
+each row's floor is found in its chunk (a top-k of the row's group maxima, or a bisection;
+no sorted copy) and the sums run over the kept set and the chosen token. The chunk's function is rematerialised
 (:func:`jax.checkpoint`), so the backward pass forms each chunk's logits again instead of
 keeping them: at most one chunk's float32 logits (and their gradient) exist at a time, never
 ``[B, T, V]``. Gradients reach ``hidden`` and whatever ``head_fn`` closes over (a model's
@@ -24,7 +27,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from grpo_kernels.ops.core.reference import token_logp_and_entropy
+from grpo_kernels.ops.core.reference import truncated_token_logps
+from grpo_kernels.ops.core.truncation import Truncation
 from grpo_kernels.ops.core.validate import backend_kind
 from grpo_kernels.ops.lm_head_loss.xla_plan import LmHeadBlockSizes, plan_chunk
 
@@ -42,8 +46,10 @@ def chunk_positions(batch: int, time: int, vocab: int, blocks: LmHeadBlockSizes,
 
 def token_logps_from_head_fn(hidden: Array, head_fn: Callable[[Array], Array], ids: Array, *,
                              temperature: float = 1.0, return_entropy: bool = False,
-                             blocks: LmHeadBlockSizes | None = None
-                             ) -> Array | tuple[Array, Array]:
+                             blocks: LmHeadBlockSizes | None = None,
+                             top_k: int | None = None, top_p: float | None = None,
+                             min_p: float | None = None, return_outside: bool = False
+                             ) -> Array | tuple[Array, ...]:
     """Per-token log-probs (and entropies) of ``softmax(float32(head_fn(hidden)) / tau)``.
 
     Args:
@@ -54,14 +60,17 @@ def token_logps_from_head_fn(hidden: Array, head_fn: Callable[[Array], Array], i
       return_entropy: Also return each position's entropy.
       blocks: The chunk's size (``chunk_tokens`` rows or ``chunk_bytes`` of float32 logits;
         ``dweight`` does not apply); ``None``: the fused head's backend default.
+      top_k, top_p, min_p: The sampler's truncation, as in :func:`grpo_kernels.token_logps`.
+      return_outside: Also return ``[B, T]`` bool: the chosen token lies outside the kept set.
 
     Returns:
-      ``logp [B, T]`` float32, or ``(logp, entropy)``; differentiable.
+      ``logp [B, T]`` float32, then ``entropy`` (``return_entropy``) and ``outside``
+      (``return_outside``) when asked; differentiable (the kept set a constant).
 
     Raises:
       ValueError: naming the argument.
     """
-    from grpo_kernels.ops.logps.api import check_temperature, check_token_ids
+    from grpo_kernels.ops.logps.api import check_temperature, check_token_ids, results
 
     if getattr(hidden, "ndim", None) != 3 or min(hidden.shape) < 1:
         raise ValueError(f"hidden must have rank 3 [B, T, H] with every size >= 1, got shape "
@@ -75,6 +84,10 @@ def token_logps_from_head_fn(hidden: Array, head_fn: Callable[[Array], Array], i
         raise ValueError(f"head_fn must map [B, c, H] to [B, c, V], got {tuple(out.shape)} "
                          f"for a chunk of shape {(b, 1, hidden.shape[-1])}")
     vocab = out.shape[-1]
+    if not isinstance(return_outside, bool):
+        raise ValueError(f"return_outside must be a bool, got {return_outside!r}")
+    trunc = Truncation(top_k, top_p, min_p)
+    trunc = trunc if trunc.active(vocab) else None
     ids = check_token_ids(ids, b, t, vocab, False)
     c = chunk_positions(b, t, vocab, blocks or LmHeadBlockSizes(), backend_kind())
     n = -(-t // c)
@@ -83,19 +96,18 @@ def token_logps_from_head_fn(hidden: Array, head_fn: Callable[[Array], Array], i
     ys = jnp.pad(ids, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
 
     @jax.checkpoint
-    def chunk(h: Array, y: Array) -> tuple[Array, Array]:
+    def chunk(h: Array, y: Array) -> tuple[Array, Array, Array]:
         # The barrier keeps XLA from fusing the head's last matmul into the reductions that
         # read it: XLA:CPU (jaxlib 0.12) then evaluates a float32 x bfloat16 dot (MaxText's
         # tied head) at bfloat16 precision inside a scan, 2e-3 off (relative) in the
         # log-probs. The chunk's logits exist either way.
         z = jax.lax.optimization_barrier(head_fn(h).astype(jnp.float32))
-        return token_logp_and_entropy(z, y, tau)
+        logp, ent, out = truncated_token_logps(z, y, tau, None, trunc, by_sorting=False)
+        return logp, ent, jnp.zeros(logp.shape, jnp.bool_) if out is None else out
 
-    def step(carry: Any, xs: tuple[Array, Array]) -> tuple[Any, tuple[Array, Array]]:
+    def step(carry: Any, xs: tuple[Array, Array]) -> tuple[Any, tuple[Array, ...]]:
         return carry, chunk(*xs)
 
-    _, (logp, ent) = jax.lax.scan(step, None, (hs, ys))
-    logp = logp.swapaxes(0, 1).reshape(b, n * c)[:, :t]
-    if not return_entropy:
-        return logp
-    return logp, ent.swapaxes(0, 1).reshape(b, n * c)[:, :t]
+    _, stats = jax.lax.scan(step, None, (hs, ys))
+    logp, ent, outside = (x.swapaxes(0, 1).reshape(b, n * c)[:, :t] for x in stats)
+    return results(logp, ent, outside, return_entropy, return_outside)
