@@ -205,18 +205,27 @@ def test_bad_options_are_named(kw, match):
 # The losses: GRPOLossConfig's top_k / top_p / min_p, xla against the reference (whose log-probs
 # the oracle checks here), token level (the fused head's one pass) and sequence level (its two
 # passes), both dweight modes, values, the outside count and gradients.
+# The last case: the fused head's entropy-quantile pass (its estimate from 3 of 24 rows, so that
+# its correction revisits rows: 6 here, whose gradients are 45% off without the floors) with
+# an entropy bonus, every step on the truncated distribution.
 LOSS_CASES = [("token", TRUNCATIONS[3], "vocab"), ("sequence", TRUNCATIONS[1], "vocab"),
-              ("sequence", TRUNCATIONS[0], "tokens")]
+              ("sequence", TRUNCATIONS[0], "tokens"), ("quantile", TRUNCATIONS[4], "tokens")]
 
 
 @pytest.mark.parametrize("level,tr,dweight", LOSS_CASES,
                          ids=[f"{lv}-{_tid(t)}-{d}" for lv, t, d in LOSS_CASES])
-def test_losses_take_the_truncation(level, tr, dweight):
+def test_losses_take_the_truncation(monkeypatch, level, tr, dweight):
     from grpo_kernels import GRPOLossConfig, grpo_loss, grpo_loss_from_hidden
+    from grpo_kernels.ops.lm_head_loss import xla_quantile
 
     b, t, hdim, v = 2, 5, 16, 300
+    quantile = {}
+    if level == "quantile":
+        monkeypatch.setattr(xla_quantile, "SAMPLE_ROWS", 3)
+        level, quantile = "token", dict(top_entropy_quantile=0.4, entropy_coef=0.05)
+        t = 12
     cfg = GRPOLossConfig(importance_sampling_level=level, beta=0.04, temperature=TAU,
-                         top_k=tr.top_k, top_p=tr.top_p, min_p=tr.min_p)
+                         top_k=tr.top_k, top_p=tr.top_p, min_p=tr.min_p, **quantile)
     k = jax.random.split(jax.random.key(11), 5)
     h = jax.random.normal(k[0], (b, t, hdim))
     w_head = 0.5 * jax.random.normal(k[1], (hdim, v))
@@ -259,9 +268,9 @@ def test_losses_take_the_truncation(level, tr, dweight):
 
 
 def test_where_no_truncation_runs_it_is_refused_by_name():
-    """The loss's Pallas kernels (also on a mesh) and the fused head's xla quantile pass raise
-    a ValueError that names what does not take the options; ``impl="auto"`` takes xla."""
-    from grpo_kernels import GRPOLossConfig, grpo_loss, grpo_loss_from_hidden
+    """The loss's Pallas kernels (also on a mesh) raise a ValueError that names what does not
+    take the options; ``impl="auto"`` takes xla."""
+    from grpo_kernels import GRPOLossConfig, grpo_loss
     from grpo_kernels.sharding import ShardingSpec, sharded_grpo_loss
 
     cfg = GRPOLossConfig(top_k=5)
@@ -272,9 +281,6 @@ def test_where_no_truncation_runs_it_is_refused_by_name():
     _, m = grpo_loss(z, ids, mask, adv, config=cfg)  # auto
     fifth = np.sort(np.asarray(z), axis=-1)[..., -5]
     assert float(m["outside_truncation"]) == float((np.asarray(z)[..., 0] < fifth).sum())
-    with pytest.raises(ValueError, match="quantile"):
-        grpo_loss_from_hidden(z, jnp.ones((40, 7)), ids, mask, adv, impl="xla",
-                              config=GRPOLossConfig(top_p=0.5, top_entropy_quantile=0.5))
     mesh = jax.make_mesh((1,), ("dp",))
     with pytest.raises(ValueError, match="impl='pallas' does not truncate"):
         sharded_grpo_loss(z, ids, mask, adv, mesh=mesh, sharding=ShardingSpec("dp"),

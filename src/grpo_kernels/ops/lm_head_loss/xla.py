@@ -150,9 +150,6 @@ def xla_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: T
     by_vocab = blocks.dweight == "vocab"
     tau = config.temperature
     trunc = config_truncation(config, fmt.vocab(lm_head))
-    if trunc is not None and config.top_entropy_quantile < 1:
-        raise ValueError("top_entropy_quantile < 1 with top_k / top_p / min_p: the fused "
-                         "head's xla path does not take both; use impl='reference'")
 
     def planned_forward(p: _Plan, primals, batch, with_grad):
         rows = p.rows
@@ -162,7 +159,7 @@ def xla_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: T
         if with_grad and token_separable(config):
             grad_fn = _token_grad_fn(batch, config)
         elif with_grad and separable_given_selection(config):  # one pass and a correction
-            quantile = QuantilePass.estimate(h, ids, head, tau, rows, batch, config)
+            quantile = QuantilePass.estimate(h, ids, head, tau, rows, batch, config, trunc)
             grad_fn = quantile.grad_fn
             then = quantile.correction(h, ids, head, tau, _correction_rows(rows), p.dw_rows)
         stats, grads = head_sweep(h, ids, head, tau, rows, grad_fn, p.dw_rows,

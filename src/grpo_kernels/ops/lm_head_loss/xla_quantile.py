@@ -27,6 +27,10 @@ for a config that is token-separable once the selection is given
 The result is the gradient of the exact selection whatever :math:`\hat q` is; the estimate only
 decides how many rows the correction visits: about the rank error of a quantile of
 :data:`SAMPLE_ROWS` values, a few percent of the tokens (docs/loss.md has the measured cost).
+
+Under a sampler's truncation every step takes the truncated distribution: the estimate's
+entropies are the truncated rows' (their floors found in its statistics pass), the one pass
+finds each chunk's floors, and the correction applies the floors that pass found.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from grpo_kernels.objective.factors import (
 )
 from grpo_kernels.objective.base import _local
 from grpo_kernels.objective.batch import TokenBatch
+from grpo_kernels.ops.core.truncation import Truncation
 from grpo_kernels.ops.lm_head_loss.xla_sweep import (
     Head,
     ThenFn,
@@ -79,14 +84,17 @@ class QuantilePass:
 
     @classmethod
     def estimate(cls, h: Array, ids: Array, head: Head, temperature: float, rows: int,
-                 batch: TokenBatch, config: GRPOLossConfig) -> "QuantilePass":
-        """Step 1 on the ``[N, H]`` rows ``h`` and their ``[N]`` ids."""
+                 batch: TokenBatch, config: GRPOLossConfig,
+                 trunc: Truncation | None = None) -> "QuantilePass":
+        """Step 1 on the ``[N, H]`` rows ``h`` and their ``[N]`` ids (the entropies of the
+        sampler's truncated distribution under ``trunc``)."""
         columns = batch.token_columns(config)
         mask = columns["mask"]
         n = h.shape[0]
         pick = jnp.asarray(np.arange(min(n, SAMPLE_ROWS)) * n // min(n, SAMPLE_ROWS))
-        (_, _, ent), _ = head_sweep(take_rows(h, pick), ids[pick], head, temperature,
-                                    min(rows, pick.shape[0]), None)
+        stats, _ = head_sweep(take_rows(h, pick), ids[pick], head, temperature,
+                              min(rows, pick.shape[0]), None, trunc=trunc)
+        ent = stats[2]
         threshold, _ = masked_quantile(ent, mask[pick], 1.0 - config.top_entropy_quantile,
                                        _local)
         count = distinct_selection_count(mask, config.top_entropy_quantile)
@@ -121,21 +129,24 @@ class QuantilePass:
 
     def correction(self, h: Array, ids: Array, head: Head, temperature: float, rows: int,
                    dw_rows: int) -> ThenFn:
-        """Step 3 as ``head_sweep``'s ``then``, in chunks of ``rows`` corrected tokens."""
+        """Step 3 as ``head_sweep``'s ``then``, in chunks of ``rows`` corrected tokens (with
+        the floors of a truncating pass: its statistics' fourth entry)."""
         def then(stats, grads):
-            logp, lse, entropy = stats
+            logp, lse, entropy = stats[:3]
+            floor = stats[3] if len(stats) > 3 else None
             exact, diff, fix = self.rows_to_fix(logp, entropy)
             return correct_rows(h, ids, head, temperature, lse, exact, diff, fix, grads,
-                                rows, dw_rows)
+                                rows, dw_rows, floor)
 
         return then
 
 
 def correct_rows(h: Array, ids: Array, head: Head, temperature: float, lse: Array,
                  exact: RowGrad, diff: RowGrad, fix: Array, grads: tuple, rows: int,
-                 dw_rows: int) -> tuple:
+                 dw_rows: int, floor: Array | None = None) -> tuple:
     """Step 3 on the gradients of a sweep (``(dh_bits, dW [H, V] or None, db or None)``):
-    the rows where ``fix`` is set, ``rows`` at a time, as many chunks as they fill."""
+    the rows where ``fix`` is set, ``rows`` at a time, as many chunks as they fill (``floor``:
+    the rows' truncation floors, or None)."""
     n = h.shape[0]
     order = jnp.nonzero(fix, size=-(-n // rows) * rows, fill_value=n)[0]
     chunks = (jnp.sum(fix.astype(jnp.int32)) + rows - 1) // rows
@@ -153,14 +164,15 @@ def correct_rows(h: Array, ids: Array, head: Head, temperature: float, lse: Arra
         hc = take_rows(h, safe)
         s = head.scores(head.logits(hc), temperature)
         idc, lse_c = ids[safe], lse[safe]
+        floor_c = None if floor is None else floor[safe]
         full = logits_delta(s, idc, pick(exact).over(temperature), lse_c, head,
-                            temperature=temperature)
+                            temperature=temperature, floor=floor_c)
         dh_bits = dh_bits.at[idx].set(_as_bits(head.dhidden(full).astype(h.dtype)),
                                       mode="drop")
         if dw is None and db is None:
             return dh_bits, dw, db
         part = logits_delta(s, idc, pick(diff).over(temperature), lse_c, head,
-                            temperature=temperature)
+                            temperature=temperature, floor=floor_c)
         if dw is not None:
             dw = _accumulate_dweight(dw, jax.lax.optimization_barrier(hc.T), part, dw_rows)
         if db is not None:
