@@ -104,20 +104,25 @@ class Head:
 CPU_STATS_BLOCK = 4096
 
 
-def chunk_stats(s: Array, block: int | None) -> tuple[Array, Array, Array]:
+def chunk_stats(s: Array, block: int | None,
+                scores: Callable[[Array], Array] | None = None) -> tuple[Array, Array, Array]:
     """``(m, S, Q)`` of each row of ``s [c, V]`` (:func:`block_stats`), over vocabulary blocks
     of ``block`` columns merged online (:func:`merge_stats`); ``None``: whole rows at once.
+    With ``scores``, ``s`` holds the logits and each block's scores are ``scores(block)``,
+    converted where the reduction reads them.
 
     On CPU the entropy's two sums over a whole row made XLA materialise ``exp(s - m)`` and
     ``exp(s - m) (s - m)`` as two float32 ``[c, V]`` arrays; over 4096-column blocks those are
     small, and the chunk's temporaries drop without losing time (docs/lm_head.md).
     """
     rows, vocab = s.shape
+    to_scores = scores or (lambda x: x)
     if block is None or vocab <= block:
-        return block_stats(s)
+        return block_stats(to_scores(s))
 
     def body(col, width, acc):
-        return merge_stats(acc, block_stats(jax.lax.dynamic_slice_in_dim(s, col, width, axis=1)))
+        return merge_stats(acc, block_stats(to_scores(
+            jax.lax.dynamic_slice_in_dim(s, col, width, axis=1))))
 
     init = (jnp.full((rows,), -jnp.inf, _F32), jnp.zeros((rows,), _F32),
             jnp.zeros((rows,), _F32))
@@ -269,7 +274,12 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
         if z.dtype.itemsize < 4:  # keep the rounded logits narrow; consumers upcast on the fly
             z = jax.lax.optimization_barrier(z)
         s = head.scores(z, temperature)
-        chosen = jnp.take_along_axis(s, jnp.clip(idc, 0, vocab - 1)[:, None], axis=1)[:, 0]
+        # The chosen logits and the untruncated statistics read the 16-bit logits and convert
+        # them where they use them: sharing the float32 scores between them, libtpu 0.0.48
+        # (jax 0.11) materialises them, a float32 [rows, V] per chunk (5.83 GB against 3.69
+        # planned for a v6e at T = 8,192, H = 4,096, V = 151,936; docs/lm_head.md).
+        chosen = head.scores(jnp.take_along_axis(z, jnp.clip(idc, 0, vocab - 1)[:, None],
+                                                 axis=1)[:, 0], temperature)
         extra, floor_c = (), rows_of(floor, start, size)
         if listed:  # the statistics from the k largest values alone
             floor_c, logp, lse_c, ent, out = listed_stats(s, chosen, trunc)
@@ -278,9 +288,12 @@ def head_sweep(h: Array, ids: Array, head: Head, temperature: float, rows: int,
             if trunc is not None:
                 floor_c = support_floor(s, trunc)
                 extra = (floor_c, outside(chosen, floor_c))
-            kept = s if floor_c is None else truncate(
-                s, floor_c, jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) == idc[:, None])
-            logp, lse_c, ent = finish(*chunk_stats(kept, stats_block), chosen)
+            if floor_c is None:
+                st = chunk_stats(z, stats_block, lambda x: head.scores(x, temperature))
+            else:
+                hit = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) == idc[:, None]
+                st = chunk_stats(truncate(s, floor_c, hit), stats_block)
+            logp, lse_c, ent = finish(*st, chosen)
         stats = tuple(jax.lax.dynamic_update_slice_in_dim(o, x, start, 0)
                       for o, x in zip(stats, (logp, lse_c, ent, *extra), strict=True))
         if grads is None:
