@@ -60,7 +60,10 @@ def token_logps_from_head_fn(hidden: Array, head_fn: Callable[[Array], Array], i
       return_entropy: Also return each position's entropy.
       blocks: The chunk's size (``chunk_tokens`` rows or ``chunk_bytes`` of float32 logits;
         ``dweight`` does not apply); ``None``: the fused head's backend default.
-      top_k, top_p, min_p: The sampler's truncation, as in :func:`grpo_kernels.token_logps`.
+      top_k: Keep the ``top_k`` largest scaled logits of each row (and their ties), as in
+        :func:`grpo_kernels.token_logps`.
+      top_p: Then the smallest top set of probability ``>= top_p``.
+      min_p: First the tokens of probability ``>= min_p`` times the row's largest.
       return_outside: Also return ``[B, T]`` bool: the chosen token lies outside the kept set.
 
     Returns:
