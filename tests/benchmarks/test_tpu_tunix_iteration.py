@@ -78,7 +78,10 @@ def test_a_short_case_compiles_or_the_script_says_it_needs_the_head():
     assert r.returncode == 0, r.stderr[-3000:]
     assert [row.get("arm") for row in rows] == ["tunix-chunk0", "tunix-chunk128", "ours", None]
     for row in rows[:3]:
-        assert row["ok"] and row["temp_bytes"] > 0 and row["flops"] > 0
+        assert row["ok"] and row["temp_bytes"] >= 0 and row["flops"] > 0
+    # tunix's passes keep their float32 logits; ours, at this length, can fuse the head's
+    # matmul into the reductions that read it and plan no temporaries at all
+    assert rows[0]["temp_bytes"] > 0 and rows[1]["temp_bytes"] > 0
     # ours holds no [T, V] float32 logits; tunix's unchunked pass does
     assert rows[2]["temp_bytes"] < rows[0]["temp_bytes"]
     assert rows[3]["temp_over_default"] < 1
