@@ -24,7 +24,7 @@ from grpo_kernels.ops.logits_loss import pallas as logits_pallas
 from grpo_kernels.ops.core.truncation import Truncation
 from grpo_kernels.ops.core.validate import check_softcap, resolve_impl
 from grpo_kernels.ops.logps.api import (check_logits, check_temperature, check_token_ids,
-                                        results)
+                                        requested_truncation, results)
 from grpo_kernels.sharding.kinds import (OpKind, head_kind, head_spec, logits_kind,
                                          sequence_split, statistics)
 from grpo_kernels.sharding.spec import ShardingSpec, resolve
@@ -50,14 +50,6 @@ def _run(op: OpKind, primals: tuple, primal_specs: tuple, ids: Array, *, mesh: M
                        check_vma=not interpreted)
     logp, ent, outside = fn(*to_layout((primals, ids), (primal_specs, rows), mesh))
     return results(logp, ent, outside, return_entropy, return_outside)
-
-
-def _truncation(top_k: Any, top_p: Any, min_p: Any, return_outside: Any, vocab: int,
-                spec: ShardingSpec, impl: str, requested: str, options: Any,
-                who: str) -> tuple[Truncation | None, str, Any]:
-    if not isinstance(return_outside, bool):
-        raise ValueError(f"return_outside must be a bool, got {return_outside!r}")
-    return mesh_truncation(top_k, top_p, min_p, vocab, spec, impl, requested, options, who)
 
 
 def sharded_token_logps(logits: Array, ids: Array, *, mesh: Mesh, sharding: ShardingSpec,
@@ -90,8 +82,9 @@ def sharded_token_logps(logits: Array, ids: Array, *, mesh: Mesh, sharding: Shar
     spec = resolve(sharding, mesh, b, vocab, "logits")
     requested = impl
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
-    trunc, impl, options = _truncation(top_k, top_p, min_p, return_outside, vocab, spec, impl,
-                                       requested, options, "sharded_token_logps")
+    trunc, impl, options = mesh_truncation(
+        requested_truncation(vocab, top_k, top_p, min_p, return_outside), spec, impl,
+        requested, options, "sharded_token_logps")
     softcap = check_softcap(logit_softcap)
     ids = check_token_ids(ids, b, t, vocab, check_ids)
     return _run(logits_kind(softcap), (logits,), (spec.logits(),), ids, mesh=mesh, spec=spec,
@@ -149,8 +142,9 @@ def sharded_token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *
     vocab = fmt.vocab(lm_head)
     tau = check_temperature(temperature)
     spec = resolve(sharding, mesh, b, vocab, "hidden/lm_head")
-    trunc, impl, options = _truncation(top_k, top_p, min_p, return_outside, vocab, spec, impl,
-                                       requested, options, "sharded_token_logps_from_hidden")
+    trunc, impl, options = mesh_truncation(
+        requested_truncation(vocab, top_k, top_p, min_p, return_outside), spec, impl,
+        requested, options, "sharded_token_logps_from_hidden")
     spec = head_spec(spec, mesh, impl, hidden.shape[-1])
     ids = check_token_ids(ids, b, t, vocab, check_ids)
     seq = sequence_split(spec, mesh, t, impl, options)

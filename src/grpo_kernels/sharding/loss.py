@@ -32,7 +32,7 @@ from grpo_kernels.compat import to_layout
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.objective.segments import Segments
-from grpo_kernels.ops.core.truncation import Truncation, outside_count
+from grpo_kernels.ops.core.truncation import Truncation, config_truncation, outside_count
 from grpo_kernels.ops.core.validate import (check_ids_in_range, check_softcap, resolve_impl,
                                             validate_token_inputs)
 from grpo_kernels.ops.lm_head_loss import api as head_api
@@ -177,8 +177,8 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
     spec = resolve(sharding, mesh, b, vocab, "logits")
     requested = impl
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
-    trunc, impl, options = mesh_truncation(config.top_k, config.top_p, config.min_p, vocab,
-                                           spec, impl, requested, options, "sharded_grpo_loss")
+    trunc, impl, options = mesh_truncation(config_truncation(config, vocab), spec, impl,
+                                           requested, options, "sharded_grpo_loss")
     softcap = check_softcap(logit_softcap)
     if check_ids:
         check_ids_in_range(ids, mask, vocab)
@@ -260,8 +260,8 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
                                  sampler_weights, sampler_logps, logit_softcap, segments)
     vocab = fmt.vocab(lm_head)
     spec = resolve(sharding, mesh, hidden.shape[0], vocab, "hidden/lm_head")
-    trunc, impl, options = mesh_truncation(config.top_k, config.top_p, config.min_p, vocab,
-                                           spec, impl, requested, options,
+    trunc, impl, options = mesh_truncation(config_truncation(config, vocab), spec, impl,
+                                           requested, options,
                                            "sharded_grpo_loss_from_hidden")
     spec = head_spec(spec, mesh, impl, hidden.shape[-1])
     if check_ids:

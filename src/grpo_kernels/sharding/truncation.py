@@ -18,12 +18,11 @@ from grpo_kernels.ops.core.truncation import Truncation, truncation_impl
 from grpo_kernels.sharding.spec import ShardingSpec
 
 
-def mesh_truncation(top_k: Any, top_p: Any, min_p: Any, vocab: int, spec: ShardingSpec,
-                    impl: str, requested: str, options: Any,
-                    who: str) -> tuple[Truncation | None, str, Any]:
-    """``(trunc, impl, options)`` of a sharded op asked for a sampler's truncation: ``trunc``
-    None where it drops nothing from a ``vocab``-wide row (``impl`` and ``options`` as
-    given); else the implementation that computes it
+def mesh_truncation(trunc: Truncation | None, spec: ShardingSpec, impl: str, requested: str,
+                    options: Any, who: str) -> tuple[Truncation | None, str, Any]:
+    """``(trunc, impl, options)`` of a sharded op asked for a sampler's truncation ``trunc``
+    (None, or one that drops tokens of the op's rows): with None, ``impl`` and ``options`` as
+    given; else the implementation that computes it
     (:func:`~grpo_kernels.ops.core.truncation.truncation_impl`).
 
     ``spec`` is the one resolved on the mesh (axes of size 1 already dropped).
@@ -32,8 +31,7 @@ def mesh_truncation(top_k: Any, top_p: Any, min_p: Any, vocab: int, spec: Shardi
       ValueError: the mesh splits the vocabulary, the xla head gathers an FSDP-split head
         block by block (``head_axes``), or ``impl="pallas"`` is asked for by name.
     """
-    trunc = Truncation(top_k, top_p, min_p)
-    if not trunc.active(vocab):
+    if trunc is None:
         return None, impl, options
     if spec.vocab_axis is not None:
         raise ValueError(

@@ -95,15 +95,23 @@ def from_pieces(stats: Any, grad: Any, primals: tuple, ids: Array, with_entropy:
     return logp, ent, outside
 
 
-def check_truncation(impl: str, requested: str, options: Any, vocab: int, top_k: Any,
-                     top_p: Any, min_p: Any, return_outside: bool
-                     ) -> tuple[Truncation | None, str, Any]:
-    """The sampler's truncation (None when it drops nothing) and the implementation and
-    options that compute it (:func:`~grpo_kernels.ops.core.truncation.truncation_impl`)."""
+def requested_truncation(vocab: int, top_k: Any, top_p: Any, min_p: Any,
+                         return_outside: Any) -> Truncation | None:
+    """The sampler's truncation a log-prob op's arguments ask for (checked), None when it
+    drops nothing from a ``vocab``-wide row; ValueError unless ``return_outside`` is a bool."""
     trunc = Truncation(top_k, top_p, min_p)
     if not isinstance(return_outside, bool):
         raise ValueError(f"return_outside must be a bool, got {return_outside!r}")
-    if not trunc.active(vocab):
+    return trunc if trunc.active(vocab) else None
+
+
+def check_truncation(impl: str, requested: str, options: Any, vocab: int, top_k: Any,
+                     top_p: Any, min_p: Any, return_outside: bool
+                     ) -> tuple[Truncation | None, str, Any]:
+    """The sampler's truncation (:func:`requested_truncation`) and the implementation and
+    options that compute it (:func:`~grpo_kernels.ops.core.truncation.truncation_impl`)."""
+    trunc = requested_truncation(vocab, top_k, top_p, min_p, return_outside)
+    if trunc is None:
         return None, impl, options
     return (trunc, *truncation_impl(impl, requested, options))
 

@@ -13,8 +13,8 @@ each chunk's ``[B, c, V]`` logits are formed, reduced to
 and dropped (:func:`jax.lax.scan` over the chunks). Under a sampler's truncation (``top_k``,
 ``top_p``, ``min_p``: :mod:`grpo_kernels.ops.core.truncation`) each chunk holds whole rows, so
 each row's floor is found in its chunk (a top-k of the row's group maxima, or a bisection;
-no sorted copy) and the sums run over the kept set and the chosen token. The chunk's function is rematerialised
-(:func:`jax.checkpoint`), so the backward pass forms each chunk's logits again instead of
+no sorted copy) and the sums run over the kept set and the chosen token. The chunk's function
+is rematerialised (:func:`jax.checkpoint`), so the backward pass forms each chunk's logits again instead of
 keeping them: at most one chunk's float32 logits (and their gradient) exist at a time, never
 ``[B, T, V]``. Gradients reach ``hidden`` and whatever ``head_fn`` closes over (a model's
 parameters) by ordinary autodiff.
@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.ops.core.reference import truncated_token_logps
-from grpo_kernels.ops.core.truncation import Truncation
 from grpo_kernels.ops.core.validate import backend_kind
 from grpo_kernels.ops.lm_head_loss.xla_plan import LmHeadBlockSizes, plan_chunk
 
@@ -73,7 +72,8 @@ def token_logps_from_head_fn(hidden: Array, head_fn: Callable[[Array], Array], i
     Raises:
       ValueError: naming the argument.
     """
-    from grpo_kernels.ops.logps.api import check_temperature, check_token_ids, results
+    from grpo_kernels.ops.logps.api import (check_temperature, check_token_ids,
+                                            requested_truncation, results)
 
     if getattr(hidden, "ndim", None) != 3 or min(hidden.shape) < 1:
         raise ValueError(f"hidden must have rank 3 [B, T, H] with every size >= 1, got shape "
@@ -87,10 +87,7 @@ def token_logps_from_head_fn(hidden: Array, head_fn: Callable[[Array], Array], i
         raise ValueError(f"head_fn must map [B, c, H] to [B, c, V], got {tuple(out.shape)} "
                          f"for a chunk of shape {(b, 1, hidden.shape[-1])}")
     vocab = out.shape[-1]
-    if not isinstance(return_outside, bool):
-        raise ValueError(f"return_outside must be a bool, got {return_outside!r}")
-    trunc = Truncation(top_k, top_p, min_p)
-    trunc = trunc if trunc.active(vocab) else None
+    trunc = requested_truncation(vocab, top_k, top_p, min_p, return_outside)
     ids = check_token_ids(ids, b, t, vocab, False)
     c = chunk_positions(b, t, vocab, blocks or LmHeadBlockSizes(), backend_kind())
     n = -(-t // c)
