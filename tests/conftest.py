@@ -57,6 +57,9 @@ def pytest_addoption(parser):
     parser.addoption("--tunix-grid", choices=("full", "pairwise"), default="pairwise",
                      help="tests/integrations/test_tunix.py's parity grid: every pair of "
                      "options (default) or every combination (full)")
+    parser.addoption("--mesh-grid", choices=("full", "pairwise"), default="pairwise",
+                     help="tests/sharding/test_sharding.py::test_equals_one_device's grid: "
+                     "every pair of levels of its factors (default) or every combination (full)")
 
 
 def pytest_unconfigure(config):

@@ -264,6 +264,8 @@ def test_bad_arguments_name_the_flag(tmp_path, capsys, argv, match):
 
 _BLOCKED = ("flax", "optax", "orbax", "wandb", "gguf", "tokenizers", "math_verify",
             "safetensors", "matplotlib", "jinja2", "tunix", "torch", "transformers")
+# Each argv set in turn in one process (a process each cost the suite 20 s): an import of a
+# blocked package anywhere fails the set that made it; each set must end with exit code 0.
 _BLOCKER = f"""
 import importlib.abc, runpy, sys
 class Blocker(importlib.abc.MetaPathFinder):
@@ -271,17 +273,25 @@ class Blocker(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in {_BLOCKED!r}:
             raise ImportError("the loss/bench path imported " + name)
 sys.meta_path.insert(0, Blocker())
-sys.argv = sys.argv[1:]
-if sys.argv[0] == "-m":
-    runpy.run_module("grpo_kernels.cli.main", run_name="__main__")
-elif sys.argv[0].endswith(".py"):
-    runpy.run_path(sys.argv[0], run_name="__main__")
-else:
-    runpy.run_module(sys.argv[0], run_name="__main__")
+sets, argv = [[]], sys.argv[1:]
+for a in argv:
+    sets.append([]) if a == "--then" else sets[-1].append(a)
+for args in sets:
+    sys.argv = list(args)
+    try:
+        if args[0] == "-m":
+            runpy.run_module("grpo_kernels.cli.main", run_name="__main__")
+        elif args[0].endswith(".py"):
+            runpy.run_path(args[0], run_name="__main__")
+        else:
+            runpy.run_module(args[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise SystemExit(f"{{args}}: exit code {{e.code}}")
+    print("done:", args, flush=True)
 """
 
-
-@pytest.mark.parametrize("argv", [
+PROOF_PATH = [
     ["-m", "gradcheck", "--impl", "pallas", "--batch", "1", "--time", "4", "--vocab", "64"],
     ["-m", "bench", "--impl", "xla,pallas", "--batch", "1", "--time", "4", "--vocab", "64",
      "--iters", "1", "--warmup", "0", "--format", "json"],
@@ -291,17 +301,22 @@ else:
      "--vocab", "64"],
     ["grpo_kernels.proof.copy_bandwidth", "--rows", "4", "--vocab", "64"],
     ["grpo_kernels.proof.gpu_layouts", "--shapes", "4x64", "--iters", "1", "--rounds", "1"],
-    ["benchmarks/probes/gpu_ncu_step.py", "--impl", "xla", "--batch", "1", "--time", "4", "--vocab",
-     "64", "--warmup", "1", "--iters", "2"],
-], ids=["gradcheck", "bench", "bench-lm-head", "head_gradcheck", "copy_bandwidth",
-        "gpu_layouts", "gpu_ncu_step"])
-def test_the_proof_path_needs_no_trainer_dependency(argv):
-    """What the accelerator host lacks (flax, optax, wandb, ... and torch) is never imported."""
+    ["benchmarks/probes/gpu_ncu_step.py", "--impl", "xla", "--batch", "1", "--time", "4",
+     "--vocab", "64", "--warmup", "1", "--iters", "2"],
+]
+
+
+def test_the_proof_path_needs_no_trainer_dependency():
+    """What the accelerator host lacks (flax, optax, wandb, ... and torch) is never imported
+    by any of the proof's phases (gradcheck, bench, bench-lm-head, head_gradcheck,
+    copy_bandwidth, gpu_layouts, gpu_ncu_step), each run to a clean exit."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT / "src"))
+    argv = [a for args in PROOF_PATH for a in ("--then", *args)][1:]
     r = subprocess.run([sys.executable, "-c", _BLOCKER, *argv], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("done:") == len(PROOF_PATH), r.stdout[-2000:]
 
 
 def test_a_phase_in_process_is_its_module_and_leaves_no_settings_behind(tmp_path):

@@ -71,3 +71,30 @@ def trainer_batch(trainer, prompt=4, completion=6):
     attention[:, prompt:] = mask
     return Batch(ids=ids, attention=attention, mask=mask,
                  advantages=rng.normal(size=rows).astype(np.float32), prompt_width=prompt)
+
+
+def trainer_updates(out: str, process_id: int, num_processes: int, heads=TRAINER_HEADS) -> None:
+    """One :meth:`Trainer.update` on the fixed batch of :func:`trainer_batch` for each head,
+    in a process of a ``jax.distributed`` run, on a ``(tp=2, dp=4)`` mesh whose vocabulary
+    axis spans the processes. Process 0 writes the parameters after each step and the
+    update's metrics into ``OUT.<head>.npz``."""
+    import jax
+    import numpy as np
+
+    from grpo_kernels.rl.config import TrainConfig
+    from grpo_kernels.rl.processes import to_host
+    from grpo_kernels.rl.trainer import Trainer
+
+    for head in heads:
+        values = trainer_values(f"{out}.{head}.run{process_id}", head)
+        # (tp=2, dp=4) over the global device list: tp's two rows are the two processes'
+        values["mesh"] = {"shape": {"tp": 2, "dp": 4}, "batch_axes": ["dp"], "vocab_axis": "tp"}
+        trainer = Trainer(TrainConfig.from_dict(values), progress=False)
+        assert {d.process_index for d in trainer.mesh.devices[:, 0]} == set(range(num_processes))
+        metrics = trainer.update(trainer_batch(trainer))
+        leaves = {f"param_{i}": to_host(x) for i, x in enumerate(jax.tree.leaves(trainer.state))}
+        if process_id == 0:
+            np.savez(f"{out}.{head}.npz", **leaves,
+                     **{f"metric_{k}": np.float64(v) for k, v in metrics.items()})
+        print(f"process {process_id}: {head} update done, loss {metrics['loss']:.6g}",
+              flush=True)

@@ -1,6 +1,6 @@
 """One process of tests/sharding/test_multiprocess.py (run as a script, never collected).
 
-    python tests/sharding/multiprocess_worker.py PORT NUM_PROCESSES PROCESS_ID OUT.npz
+    python tests/sharding/multiprocess_worker.py PORT NUM_PROCESSES PROCESS_ID OUT.npz [FLAG]
 
 Joins ``jax.distributed`` on 127.0.0.1 with gloo CPU collectives, builds a global
 ``(dp=2, tp=4)`` mesh whose vocabulary axis spans the processes, and runs both sharded ops
@@ -8,7 +8,9 @@ Joins ``jax.distributed`` on 127.0.0.1 with gloo CPU collectives, builds a globa
 axes (as ``jax.make_mesh`` makes it) with the inputs split over the batch only, and every other
 pair with the head's ``H`` split over ``dp`` (``head_axes``). Process 0 writes every loss and
 gradient, gathered to the host, into ``OUT.npz``. Each process makes the same inputs from the
-same seed and puts only its own shards on its devices.
+same seed and puts only its own shards on its devices. ``--trainer``: then one trainer update
+for each head (:func:`~tests.sharding.multiprocess_cases.trainer_updates`), into
+``OUT.npz.<head>.npz``; ``--die``: the last process exits right after joining.
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ import numpy as np
 
 port, num_processes, process_id, out = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
                                         sys.argv[4])
-die = len(sys.argv) > 5 and sys.argv[5] == "--die"  # the last process exits after joining
+# --die: the last process exits after joining; --trainer: one trainer update after the ops
+die, trainer = (len(sys.argv) > 5 and sys.argv[5] == flag for flag in ("--die", "--trainer"))
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes, process_id,
-                           initialization_timeout=60, heartbeat_timeout_seconds=10)
+                           initialization_timeout=60,
+                           # a dead process is noticed after this many seconds without its
+                           # heartbeat: short where the test waits for it, else loose
+                           heartbeat_timeout_seconds=3 if die else 10)
 if die and process_id == num_processes - 1:
     os._exit(17)  # no shutdown: as a crash looks to the others
 
@@ -38,7 +44,12 @@ from grpo_kernels.sharding import (  # noqa: E402
     sharded_grpo_loss,
     sharded_grpo_loss_from_hidden,
 )
-from tests.sharding.multiprocess_cases import CASES, head_inputs, logits_inputs  # noqa: E402
+from tests.sharding.multiprocess_cases import (  # noqa: E402
+    CASES,
+    head_inputs,
+    logits_inputs,
+    trainer_updates,
+)
 
 # (dp=2, tp=4): each tp row holds devices of both processes, so the vocabulary's psums and
 # pmaxes cross the process boundary.
@@ -107,4 +118,6 @@ for i, cfg_kwargs in enumerate(CASES):
 if process_id == 0:
     np.savez(out, **results)
 print(f"process {process_id}: {len(CASES)} cases done", flush=True)
+if trainer:  # then the trainer's update, in the same pair of processes
+    trainer_updates(out, process_id, num_processes)
 jax.distributed.shutdown()

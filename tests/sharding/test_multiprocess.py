@@ -1,10 +1,12 @@
 """Across two processes (``jax.distributed`` on 127.0.0.1, gloo collectives, 4 CPU devices
 each): both sharded ops on a ``(dp=2, tp=4)`` mesh whose vocabulary axis spans the processes,
-every loss type at token and sequence level, equal to the one-process reference; and one
-trainer update (both heads) on a ``(tp=2, dp=4)`` mesh, equal to the one-process update.
+every loss type at token and sequence level, equal to the one-process reference; and, in the
+same pair of processes, one trainer update (both heads) on a ``(tp=2, dp=4)`` mesh, equal to
+the one-process update.
 
 The workers (multiprocess_worker.py) run in their own processes with their own XLA_FLAGS, so
-this test runs in either pytest run; it compiles 32 programs per process (about a minute).
+this test runs in either pytest run; it compiles 32 programs per process and two trainers
+(about a minute).
 """
 
 from __future__ import annotations
@@ -62,16 +64,18 @@ def _launch(argv, limit_s: float = LIMIT_S):
     return [(p.returncode, *log) for p, log in zip(procs, logs)], time.perf_counter() - start
 
 
-def _run_workers(out: Path, *extra: str, limit_s: float = LIMIT_S,
-                 worker: str = "multiprocess_worker.py"):
-    """Both processes of ``worker`` (``PORT 2 ID OUT *extra``), as :func:`_launch`."""
-    return _launch(lambda i, port: [sys.executable, str(ROOT / "tests/sharding" / worker),
-                                    str(port), "2", str(i), str(out), *extra], limit_s)
+def _run_workers(out: Path, *extra: str, limit_s: float = LIMIT_S):
+    """Both processes of multiprocess_worker.py (``PORT 2 ID OUT *extra``), as
+    :func:`_launch`."""
+    return _launch(lambda i, port: [
+        sys.executable, str(ROOT / "tests/sharding/multiprocess_worker.py"), str(port), "2",
+        str(i), str(out), *extra], limit_s)
 
 
-def _results(tmp_path: Path) -> dict:
-    out = tmp_path / "results.npz"
-    runs, _ = _run_workers(out)
+def _results(out: Path) -> dict:
+    """The ops' results, then each head's trainer update into ``OUT.<head>.npz``: one pair
+    of processes for both."""
+    runs, _ = _run_workers(out, "--trainer")
     for i, (rc, stdout, stderr) in enumerate(runs):
         assert rc == 0, f"process {i} failed:\n{stdout}\n{stderr[-3000:]}"
     return dict(np.load(out))
@@ -79,7 +83,7 @@ def _results(tmp_path: Path) -> dict:
 
 def test_a_dead_process_stops_the_others(tmp_path):
     """Process 1 exits right after joining, as a crash would. Process 0, at its first
-    collective, is stopped by the coordination service's heartbeat check (10 s in the worker)
+    collective, is stopped by the coordination service's heartbeat check (3 s in this run)
     with an error that says another task died. The bound here is 90 s; it never hangs."""
     (rc0, _, err0), (rc1, _, _) = _run_workers(tmp_path / "none.npz", "--die", limit_s=90)[0]
     assert rc1 == 17
@@ -92,11 +96,16 @@ def close(loss, want):
     np.testing.assert_allclose(float(loss), float(want), rtol=TOL["loss"], atol=TOL["loss"])
 
 
-# One test for every case: the two processes compute all of them at once (about 40 s), which
-# a parametrized test would repeat on each xdist worker.
+# One test for every case and the trainer's update: the two processes compute all of them at
+# once (about 50 s), which a parametrized test would repeat on each xdist worker.
 @pytest.mark.slow
 def test_two_processes_equal_one(tmp_path):
-    results = _results(tmp_path)
+    """Both ops on every case equal the one-process reference; then one ``Trainer.update``
+    (reference log-probs, two micro-batches, AdamW) of the small random model with the
+    vocabulary axis across the processes, for each head (the logits loss and the fused one):
+    the same loss, grad norm and parameters after the step as one process without a mesh."""
+    out = tmp_path / "results.npz"
+    results = _results(out)
     failed = []
     for i, case in enumerate(CASES):
         name = f"{case['loss_type']}-{case['importance_sampling_level']}"
@@ -105,6 +114,8 @@ def test_two_processes_equal_one(tmp_path):
         except AssertionError as e:
             failed.append(f"{name}: {e}")
     assert not failed, "\n".join(failed)
+    for head in TRAINER_HEADS:
+        _check_update(tmp_path, head, dict(np.load(f"{out}.{head}.npz")))
 
 
 def _check_case(results: dict, i: int) -> None:
@@ -126,40 +137,30 @@ def _check_case(results: dict, i: int) -> None:
     assert rel_err(results[f"head_{i}_dw"], dw) <= TOL["grad"]
 
 
-@pytest.mark.slow
-def test_trainer_update_across_processes_equals_one_process(tmp_path):
-    """One ``Trainer.update`` (reference log-probs, two micro-batches, AdamW) of the small
-    random model with the vocabulary axis across the processes, for each head (the logits
-    loss and the fused one, in one pair of processes): the same loss, grad norm and
-    parameters after the step as one process without a mesh."""
+def _check_update(tmp_path: Path, head: str, got: dict) -> None:
+    """The update across processes (``got``) against ``Trainer.update`` in one process."""
     from grpo_kernels.rl.config import TrainConfig
     from grpo_kernels.rl.trainer import Trainer
 
-    out = tmp_path / "update"
-    runs, _ = _run_workers(out, ",".join(TRAINER_HEADS), worker="multiprocess_trainer_worker.py")
-    for i, (rc, stdout, stderr) in enumerate(runs):
-        assert rc == 0, f"process {i} failed:\n{stdout}\n{stderr[-3000:]}"
-    for head in TRAINER_HEADS:
-        one = Trainer(TrainConfig.from_dict(trainer_values(tmp_path / f"one-{head}", head)),
-                      progress=False)
-        before = [np.asarray(x) for x in jax.tree.leaves(one.state)]
-        want = one.update(trainer_batch(one))
-        after = [np.asarray(x) for x in jax.tree.leaves(one.state)]
-        got = dict(np.load(f"{out}.{head}.npz"))
-        np.testing.assert_allclose(got["metric_loss"], want["loss"], rtol=1e-4, atol=1e-6,
-                                   err_msg=head)
-        np.testing.assert_allclose(got["metric_grad_norm"], want["grad_norm"], rtol=1e-4,
-                                   err_msg=head)
-        np.testing.assert_allclose(got["metric_kl"], want["kl"], rtol=1e-4, atol=1e-7,
-                                   err_msg=head)
-        assert len(got) - len(want) == len(after), head
-        moved = 0.0
-        for i, (b, a) in enumerate(zip(before, after, strict=True)):
-            p = got[f"param_{i}"]
-            assert p.shape == a.shape and np.isfinite(p).all()
-            assert rel_err(p - b, a - b) <= 1e-3, (head, i, rel_err(p - b, a - b))
-            moved = max(moved, float(np.abs(a - b).max()))
-        assert moved > 1e-4, (head, moved)  # the step did move the weights
+    one = Trainer(TrainConfig.from_dict(trainer_values(tmp_path / f"one-{head}", head)),
+                  progress=False)
+    before = [np.asarray(x) for x in jax.tree.leaves(one.state)]
+    want = one.update(trainer_batch(one))
+    after = [np.asarray(x) for x in jax.tree.leaves(one.state)]
+    np.testing.assert_allclose(got["metric_loss"], want["loss"], rtol=1e-4, atol=1e-6,
+                               err_msg=head)
+    np.testing.assert_allclose(got["metric_grad_norm"], want["grad_norm"], rtol=1e-4,
+                               err_msg=head)
+    np.testing.assert_allclose(got["metric_kl"], want["kl"], rtol=1e-4, atol=1e-7,
+                               err_msg=head)
+    assert len(got) - len(want) == len(after), head
+    moved = 0.0
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):
+        p = got[f"param_{i}"]
+        assert p.shape == a.shape and np.isfinite(p).all()
+        assert rel_err(p - b, a - b) <= 1e-3, (head, i, rel_err(p - b, a - b))
+        moved = max(moved, float(np.abs(a - b).max()))
+    assert moved > 1e-4, (head, moved)  # the step did move the weights
 
 
 def _train(config: Path, *extra: str, limit_s: float = LIMIT_S):

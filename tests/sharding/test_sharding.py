@@ -33,7 +33,8 @@ from grpo_kernels.sharding import (
     sharded_grpo_loss_from_hidden,
 )
 from grpo_kernels.sharding.hlo import collectives
-from tests.helpers import as64, family_grid, family_id, option_grid, option_id, rel_err
+from tests.helpers import (as64, family_grid, family_id, option_grid, option_id, pairwise,
+                           rel_err)
 from tests.sharding.conftest import MESHES, make, mesh_id
 
 B, T, V = 8, 6, 64          # logits op: V/8 = 8 columns per device at tp=8
@@ -52,10 +53,26 @@ def _config(loss_type, level, beta, i):
 CONFIGS = [_config(lt, lvl, beta, i) for i, (lt, lvl, beta) in enumerate(
     itertools.product(CLASSIC_LOSS_TYPES, ("token", "sequence"), (0.0, 0.04)))]
 FEW = CONFIGS[::5]  # four configs spanning loss types and levels
-# Each config meets two of the four meshes, and every mesh meets every loss type and level:
-# the sharded body is the same code whatever the mesh, and each implementation's grid on one
-# device is in tests/ops.
-HALF = [(m, c) for i, c in enumerate(CONFIGS) for j, m in enumerate(MESHES) if (i + j) % 2 == 0]
+# test_equals_one_device's factors: the mesh, the config's loss type, level, beta, temperature
+# and delta, and the op with its implementation.
+MESH_FACTORS = (range(len(MESHES)), CLASSIC_LOSS_TYPES, ("token", "sequence"), (0.0, 0.04),
+                (1.0, 0.7), (None, 2.0),
+                tuple(itertools.product(("logits", "lm_head"), ("xla", "pallas"))))
+
+
+def pytest_generate_tests(metafunc):
+    """test_equals_one_device's grid (``--mesh-grid``): by default every pair of levels of
+    :data:`MESH_FACTORS` (each op and implementation meets every mesh and every level of each
+    config field, and each field every mesh: the sharded body is one code path whatever the
+    mesh, its collectives one per normaliser, and each implementation's whole grid on one
+    device is in tests/ops); ``full`` every combination."""
+    if "mesh_case" not in metafunc.fixturenames:
+        return
+    full = metafunc.config.getoption("--mesh-grid") == "full"
+    cases = list(itertools.product(*MESH_FACTORS)) if full else pairwise(*MESH_FACTORS)
+    metafunc.parametrize("mesh_case", cases, ids=[
+        f"{mesh_id(MESHES[m])}-{lt}-{lvl}-b{beta}-t{tau}-d{delta}-{op}-{impl}"
+        for m, lt, lvl, beta, tau, delta, (op, impl) in cases])
 
 
 def cfg_id(c):
@@ -104,8 +121,13 @@ def _sharded_logits(m, cfg, impl, **extra):
     return fn(inp.logits), want
 
 
-@pytest.mark.parametrize("cfg", FEW, ids=cfg_id)
-@pytest.mark.parametrize("m", MESHES, ids=mesh_id)
+# Each of the four configs on two of the four meshes, each mesh with two configs: the
+# reference's sharded body is one autodiff path whatever the pair.
+MESH_PAIRS = [(MESHES[(i + j) % len(MESHES)], c) for i, c in enumerate(FEW) for j in (0, 1)]
+PAIR_IDS = [f"{mesh_id(m)}-{cfg_id(c)}" for m, c in MESH_PAIRS]
+
+
+@pytest.mark.parametrize("m,cfg", MESH_PAIRS, ids=PAIR_IDS)
 def test_logits_sharded_reference_equals_one_device(m, cfg):
     """The autodiff path through pmax/psum, independent of the custom gradients."""
     _check(*_sharded_logits(m, cfg, "reference"))
@@ -174,16 +196,15 @@ def _sharded_head(m, cfg, impl, layout="hv", bias=False, fsdp=False, **extra):
     return step(inp.hidden, inp.lm_head, kw["bias"]), want
 
 
-@pytest.mark.parametrize("op", ["logits", "lm_head"])
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
-@pytest.mark.parametrize("m,cfg", HALF, ids=[f"{mesh_id(m)}-{cfg_id(c)}" for m, c in HALF])
-def test_equals_one_device(m, cfg, impl, op):
+def test_equals_one_device(mesh_case):
     """Both ops, both fast implementations, the loss grid over the meshes."""
-    _check(*{"logits": _sharded_logits, "lm_head": _sharded_head}[op](m, cfg, impl))
+    m, loss_type, level, beta, tau, delta, (op, impl) = mesh_case
+    cfg = GRPOLossConfig(loss_type=loss_type, importance_sampling_level=level, beta=beta,
+                         temperature=tau, delta=delta, max_completion_length=T + 2)
+    _check(*{"logits": _sharded_logits, "lm_head": _sharded_head}[op](MESHES[m], cfg, impl))
 
 
-@pytest.mark.parametrize("cfg", FEW, ids=cfg_id)
-@pytest.mark.parametrize("m", MESHES, ids=mesh_id)
+@pytest.mark.parametrize("m,cfg", MESH_PAIRS, ids=PAIR_IDS)
 def test_lm_head_sharded_reference_equals_one_device(m, cfg):
     _check(*_sharded_head(m, cfg, "reference"))
 
