@@ -159,8 +159,9 @@ def test_truncation_where_each_device_holds_whole_rows():
     """A sampler's truncation on meshes that keep vocabulary rows whole (no vocab axis: the
     batch over dp and fsdp with tp replicating; a tp axis of size 1): both log-prob ops and
     the fused loss equal the one-device reference's truncated values, gradients and
-    ``outside`` counts (ids half the rows' best, half random: both sides of the floor). A
-    mesh that splits the rows, an FSDP-gathered xla head and a named pallas refuse."""
+    ``outside`` counts (ids half the rows' best, half random: both sides of the floor), the
+    Pallas kernels' among them. A mesh that splits the rows and an FSDP-gathered xla head
+    refuse."""
     from grpo_kernels import GRPOLossConfig, grpo_loss_from_hidden
     from grpo_kernels.sharding import sharded_grpo_loss_from_hidden
 
@@ -172,7 +173,7 @@ def test_truncation_where_each_device_holds_whole_rows():
     ids = jnp.where(jax.random.bernoulli(k[3], 0.5, (B, T)), best,
                     jax.random.randint(k[4], (B, T), 0, V))
     runs = [(MESHES[3], ShardingSpec(("dp", "fsdp")), "xla", dict(top_k=20, top_p=0.9)),
-            (MESHES[0], ShardingSpec(("dp",), "tp"), "auto", dict(min_p=0.05, top_p=0.8)),
+            (MESHES[0], ShardingSpec(("dp",), "tp"), "pallas", dict(min_p=0.05, top_p=0.8)),
             (MESHES[3], ShardingSpec(("dp", "fsdp")), "reference", dict(top_k=5))]
     for m, spec, impl, trunc in runs:
         mesh = make(m)[0]
@@ -205,8 +206,7 @@ def test_truncation_where_each_device_holds_whole_rows():
         assert rel_err(g, g_r) <= 2e-5
     for spec, impl, match in ((ShardingSpec(("dp",), "tp"), "xla", "splits V over 'tp'"),
                               (ShardingSpec(("dp", "fsdp"), head_axes=("fsdp",)), "xla",
-                               "head_axes"),
-                              (ShardingSpec(("dp", "fsdp")), "pallas", "does not truncate")):
+                               "head_axes")):
         with pytest.raises(ValueError, match=match):
             sharded_token_logps_from_hidden(h, w, ids, mesh=mesh, sharding=spec, impl=impl,
                                             top_k=20)

@@ -80,7 +80,7 @@ def logits_kind(softcap: float | None) -> OpKind:
         if impl == "xla":
             return logits_xla.pieces(z.shape, options, tau, softcap, trunc)
         opts = on_mesh(options, logits_pallas.PallasOptions())
-        return logits_pallas.pieces(z.shape, z.dtype, opts, tau, softcap)
+        return logits_pallas.pieces(z.shape, z.dtype, opts, tau, softcap, trunc)
 
     return OpKind(local_vocab=lambda p: p[0].shape[-1],
                   reference_logits=lambda p: soft_cap(p[0].astype(jnp.float32), softcap),
@@ -100,7 +100,7 @@ def head_kind(fmt: HeadFormat, seq: tuple[str, int] | None = None) -> OpKind:
             return head_xla.pieces(hidden, w, fmt, options, tau, vocab, spec.vocab_sum, seq,
                                    trunc)
         opts = on_mesh(options, head_pallas.LmHeadPallasOptions())
-        return head_pallas.pieces(hidden, w, fmt, opts, tau)
+        return head_pallas.pieces(hidden, w, fmt, opts, tau, trunc=trunc)
 
     def vary_primals(primals, impl, spec):
         # dW and db vary over the batch axes and the vocab axis; dhidden over the batch axes,

@@ -80,11 +80,9 @@ def sharded_token_logps(logits: Array, ids: Array, *, mesh: Mesh, sharding: Shar
     b, t, vocab = check_logits(logits)
     tau = check_temperature(temperature)
     spec = resolve(sharding, mesh, b, vocab, "logits")
-    requested = impl
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
-    trunc, impl, options = mesh_truncation(
-        requested_truncation(vocab, top_k, top_p, min_p, return_outside), spec, impl,
-        requested, options, "sharded_token_logps")
+    trunc = mesh_truncation(requested_truncation(vocab, top_k, top_p, min_p, return_outside),
+                            spec, impl, "sharded_token_logps")
     softcap = check_softcap(logit_softcap)
     ids = check_token_ids(ids, b, t, vocab, check_ids)
     return _run(logits_kind(softcap), (logits,), (spec.logits(),), ids, mesh=mesh, spec=spec,
@@ -134,7 +132,6 @@ def sharded_token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *
       >>> bool(jnp.allclose(logp, token_logps_from_hidden(h, w, ids), atol=1e-5))
       True
     """
-    requested = impl
     impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
     fmt = head_api.validate_head(hidden, lm_head, lm_head_layout, bias, logits_dtype,
                                  logit_softcap)
@@ -142,9 +139,8 @@ def sharded_token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *
     vocab = fmt.vocab(lm_head)
     tau = check_temperature(temperature)
     spec = resolve(sharding, mesh, b, vocab, "hidden/lm_head")
-    trunc, impl, options = mesh_truncation(
-        requested_truncation(vocab, top_k, top_p, min_p, return_outside), spec, impl,
-        requested, options, "sharded_token_logps_from_hidden")
+    trunc = mesh_truncation(requested_truncation(vocab, top_k, top_p, min_p, return_outside),
+                            spec, impl, "sharded_token_logps_from_hidden")
     spec = head_spec(spec, mesh, impl, hidden.shape[-1])
     ids = check_token_ids(ids, b, t, vocab, check_ids)
     seq = sequence_split(spec, mesh, t, impl, options)

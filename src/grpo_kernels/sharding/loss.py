@@ -49,11 +49,12 @@ Array = jax.Array
 
 
 def _one_pass_options(op: OpKind, impl: str, options: Any, config: GRPOLossConfig,
-                      spec: ShardingSpec) -> Any:
+                      spec: ShardingSpec, trunc: Truncation | None) -> Any:
     """The Pallas options when the logits loss runs the one-pass kernel on this mesh, else
     None: only without a vocab axis, since the kernel writes ``dlogits`` from the whole row's
     ``lse`` and a vocabulary shard has its own columns' alone until :func:`combine`. The
-    normalisers it needs are whole-batch sums of the mask, known before the kernel.
+    normalisers it needs are whole-batch sums of the mask, known before the kernel. Never
+    under a sampler's truncation ``trunc`` (the kernel takes no floor).
 
     Raises:
       ValueError: ``PallasOptions.one_pass=True`` on a mesh that splits the vocabulary.
@@ -68,7 +69,7 @@ def _one_pass_options(op: OpKind, impl: str, options: Any, config: GRPOLossConfi
                 f"the mesh splits V over {spec.vocab_axis!r}; use one_pass=None (the two "
                 f"kernels there, the one-pass kernel where nothing splits V)")
         return None
-    return opts if opts.resolved_one_pass(config) else None
+    return opts if opts.resolved_one_pass(config, truncated=trunc is not None) else None
 
 
 def _shard_loss(primals: Primals, batch: TokenBatch, *, op: OpKind, config: GRPOLossConfig,
@@ -77,7 +78,7 @@ def _shard_loss(primals: Primals, batch: TokenBatch, *, op: OpKind, config: GRPO
     """The loss on one device's block; every collective goes through ``spec``. With the
     sampler's truncation ``trunc`` (whole rows) the metrics add ``outside_truncation``, the
     whole batch's count."""
-    one_pass = _one_pass_options(op, impl, options, config, spec)
+    one_pass = _one_pass_options(op, impl, options, config, spec, trunc)
     if one_pass is not None:
         return logits_pallas.one_pass_loss(primals[0], batch, config, one_pass,
                                            spec.batch_sum, spec.batch_gather)
@@ -175,10 +176,9 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
                           sampler_weights, sampler_logps, segments)
     b, _, vocab = logits.shape
     spec = resolve(sharding, mesh, b, vocab, "logits")
-    requested = impl
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
-    trunc, impl, options = mesh_truncation(config_truncation(config, vocab), spec, impl,
-                                           requested, options, "sharded_grpo_loss")
+    trunc = mesh_truncation(config_truncation(config, vocab), spec, impl,
+                            "sharded_grpo_loss")
     softcap = check_softcap(logit_softcap)
     if check_ids:
         check_ids_in_range(ids, mask, vocab)
@@ -253,16 +253,14 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
       >>> bool(jnp.allclose(dw, want, atol=1e-5))
       True
     """
-    requested = impl
     impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
     fmt = head_api.validate_call(hidden, lm_head, ids, mask, advantages, config, old_logps,
                                  ref_logps, lm_head_layout, bias, logits_dtype,
                                  sampler_weights, sampler_logps, logit_softcap, segments)
     vocab = fmt.vocab(lm_head)
     spec = resolve(sharding, mesh, hidden.shape[0], vocab, "hidden/lm_head")
-    trunc, impl, options = mesh_truncation(config_truncation(config, vocab), spec, impl,
-                                           requested, options,
-                                           "sharded_grpo_loss_from_hidden")
+    trunc = mesh_truncation(config_truncation(config, vocab), spec, impl,
+                            "sharded_grpo_loss_from_hidden")
     spec = head_spec(spec, mesh, impl, hidden.shape[-1])
     if check_ids:
         check_ids_in_range(ids, mask, vocab)

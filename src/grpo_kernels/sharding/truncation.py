@@ -12,36 +12,31 @@ vocabulary columns and never holds a row whole either. Both raise here, naming t
 
 from __future__ import annotations
 
-from typing import Any
-
-from grpo_kernels.ops.core.truncation import Truncation, truncation_impl
+from grpo_kernels.ops.core.truncation import Truncation
 from grpo_kernels.sharding.spec import ShardingSpec
 
 
-def mesh_truncation(trunc: Truncation | None, spec: ShardingSpec, impl: str, requested: str,
-                    options: Any, who: str) -> tuple[Truncation | None, str, Any]:
-    """``(trunc, impl, options)`` of a sharded op asked for a sampler's truncation ``trunc``
-    (None, or one that drops tokens of the op's rows): with None, ``impl`` and ``options`` as
-    given; else the implementation that computes it
-    (:func:`~grpo_kernels.ops.core.truncation.truncation_impl`).
+def mesh_truncation(trunc: Truncation | None, spec: ShardingSpec, impl: str,
+                    who: str) -> Truncation | None:
+    """``trunc``, the sampler's truncation a sharded op was asked for (None, or one that drops
+    tokens of the op's rows), once checked against the mesh.
 
     ``spec`` is the one resolved on the mesh (axes of size 1 already dropped).
 
     Raises:
-      ValueError: the mesh splits the vocabulary, the xla head gathers an FSDP-split head
-        block by block (``head_axes``), or ``impl="pallas"`` is asked for by name.
+      ValueError: the mesh splits the vocabulary, or the xla head gathers an FSDP-split head
+        block by block (``head_axes``).
     """
     if trunc is None:
-        return None, impl, options
+        return None
     if spec.vocab_axis is not None:
         raise ValueError(
             f"top_k / top_p / min_p: {who} truncates only where each device holds whole "
             f"vocabulary rows (the floor is a statistic of the whole row), but the mesh "
             f"splits V over {spec.vocab_axis!r}; use a ShardingSpec with vocab_axis=None")
-    impl, options = truncation_impl(impl, requested, options)
     if impl == "xla" and spec.head_axes:
         raise ValueError(
             f"top_k / top_p / min_p: {who} with ShardingSpec.head_axes={spec.head_axes} "
             f"gathers the head one block of vocabulary columns at a time and never holds a "
             f"row whole; leave head_axes empty (the head gathered whole on each device)")
-    return trunc, impl, options
+    return trunc

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_kernels import (LmHeadBlockSizes, XlaBlockSizes, token_logps, token_logps_from_head_fn,
-                          token_logps_from_hidden)
+from grpo_kernels import (LmHeadBlockSizes, PallasOptions, XlaBlockSizes, token_logps,
+                          token_logps_from_head_fn, token_logps_from_hidden)
 from grpo_kernels.ops.core.truncation import Truncation, listed_stats, support_floor
 from tests.helpers import rel_err
 from tests.oracle import truncated_oracle
@@ -78,11 +78,18 @@ def _oracle_of(s, ids, tr):
 
 
 # Every truncation through xla, the logits' dtype alternating; the reference (whose floors
-# test_floors checks) with the three options together.
+# test_floors checks) with the three options together; the Pallas gradient kernels (TPU, and
+# the GPU's "rows" layout) under the XLA pass's floors, with top-k and with the bisection.
 CASES = [("xla", tr, ("float32", "bfloat16")[i % 2]) for i, tr in enumerate(TRUNCATIONS)] + [
-    ("reference", TRUNCATIONS[3], "bfloat16")]
+    ("reference", TRUNCATIONS[3], "bfloat16"), ("pallas", TRUNCATIONS[3], "float32"),
+    ("pallas-gpu", TRUNCATIONS[4], "bfloat16")]
 HEAD_CASES = [("xla", tr, ("tokens", "vocab")[i % 2]) for i, tr in enumerate(TRUNCATIONS)] + [
-    ("reference", TRUNCATIONS[3], "tokens"), ("function", TRUNCATIONS[3], "tokens")]
+    ("reference", TRUNCATIONS[3], "tokens"), ("function", TRUNCATIONS[3], "tokens"),
+    ("pallas", TRUNCATIONS[4], "tokens")]
+# impl name in the cases -> (impl, options) of the logits ops
+LOGITS_IMPLS = {"xla": ("xla", XlaBlockSizes(chunk_tokens=3, block_vocab=128)),
+                "reference": ("reference", None), "pallas": ("pallas", None),
+                "pallas-gpu": ("pallas", PallasOptions(kernel="gpu"))}
 
 
 @pytest.mark.parametrize("impl,tr,dtype", CASES,
@@ -97,7 +104,7 @@ def test_logits_path_equals_the_oracle(impl, tr, dtype):
     ids = jnp.asarray(np.random.default_rng(8).integers(0, v, (b, t)))
     ids = ids.at[0, :2].set(jnp.argmax(z[0, :2], -1))  # some inside for sure
     w = jnp.asarray(np.random.default_rng(9).normal(size=(b, t)), jnp.float32)
-    opts = XlaBlockSizes(chunk_tokens=3, block_vocab=128) if impl == "xla" else None
+    impl, opts = LOGITS_IMPLS[impl]
 
     def f(z):
         logp, ent, outside = token_logps(z, ids, temperature=TAU, impl=impl, options=opts,
@@ -193,7 +200,8 @@ def test_xla_plans_no_float32_logits(fn):
     (dict(top_p=1.5), "top_p"),
     (dict(min_p=-0.1), r"min_p must be None or a number in \[0, 1\]"),
     (dict(min_p=float("nan")), "min_p"),
-    (dict(top_k=5, impl="pallas"), "impl='pallas' does not truncate"),
+    (dict(top_k=5, impl="pallas", options=PallasOptions(kernel="gpu", gpu_layout="aligned")),
+     "gpu_layout='aligned' takes no truncation floor"),
     (dict(top_k=5, return_outside=1), "return_outside must be a bool"),
 ])
 def test_bad_options_are_named(kw, match):
@@ -204,22 +212,26 @@ def test_bad_options_are_named(kw, match):
 
 # The losses: GRPOLossConfig's top_k / top_p / min_p, xla against the reference (whose log-probs
 # the oracle checks here), token level (the fused head's one pass) and sequence level (its two
-# passes), both dweight modes, values, the outside count and gradients.
+# passes), both dweight modes, values, the outside count and gradients; the Pallas kernels
+# (logits: TPU or GPU; the TPU head) in two of them, token level (where the TPU would take its
+# one-pass kernel, which takes no floor) with an entropy bonus, and sequence level.
 # The last case: the fused head's entropy-quantile pass (its estimate from 3 of 24 rows, so that
 # its correction revisits rows: 6 here, whose gradients are 45% off without the floors) with
 # an entropy bonus, every step on the truncated distribution.
-LOSS_CASES = [("token", TRUNCATIONS[3], "vocab"), ("sequence", TRUNCATIONS[1], "vocab"),
-              ("sequence", TRUNCATIONS[0], "tokens"), ("quantile", TRUNCATIONS[4], "tokens")]
+LOSS_CASES = [("token", TRUNCATIONS[3], "vocab", "tpu"),
+              ("sequence", TRUNCATIONS[1], "vocab", None),
+              ("sequence", TRUNCATIONS[0], "tokens", "gpu"),
+              ("quantile", TRUNCATIONS[4], "tokens", None)]
 
 
-@pytest.mark.parametrize("level,tr,dweight", LOSS_CASES,
-                         ids=[f"{lv}-{_tid(t)}-{d}" for lv, t, d in LOSS_CASES])
-def test_losses_take_the_truncation(monkeypatch, level, tr, dweight):
+@pytest.mark.parametrize("level,tr,dweight,kernel", LOSS_CASES,
+                         ids=[f"{lv}-{_tid(t)}-{d}-{k}" for lv, t, d, k in LOSS_CASES])
+def test_losses_take_the_truncation(monkeypatch, level, tr, dweight, kernel):
     from grpo_kernels import GRPOLossConfig, grpo_loss, grpo_loss_from_hidden
     from grpo_kernels.ops.lm_head_loss import xla_quantile
 
     b, t, hdim, v = 2, 5, 16, 300
-    quantile = {}
+    quantile = dict(entropy_coef=0.05) if kernel == "tpu" else {}
     if level == "quantile":
         monkeypatch.setattr(xla_quantile, "SAMPLE_ROWS", 3)
         level, quantile = "token", dict(top_entropy_quantile=0.4, entropy_coef=0.05)
@@ -237,8 +249,9 @@ def test_losses_take_the_truncation(monkeypatch, level, tr, dweight):
     kw = dict(old_logps=old, ref_logps=ref)
 
     def logits_loss(z, impl):
-        return grpo_loss(z, ids, mask, adv, config=cfg, impl=impl,
-                         options=XlaBlockSizes(chunk_tokens=3) if impl == "xla" else None, **kw)
+        opts = {"xla": XlaBlockSizes(chunk_tokens=3),
+                "pallas": kernel and PallasOptions(kernel=kernel)}.get(impl)
+        return grpo_loss(z, ids, mask, adv, config=cfg, impl=impl, options=opts, **kw)
 
     def head_loss(h, w, impl):
         opts = LmHeadBlockSizes(chunk_tokens=4, dweight=dweight) if impl == "xla" else None
@@ -247,7 +260,7 @@ def test_losses_take_the_truncation(monkeypatch, level, tr, dweight):
 
     z = jnp.einsum("bth,hv->btv", h, w_head)
     want = {}
-    for impl in ("reference", "xla"):
+    for impl in ("reference", "xla") + (("pallas",) if kernel else ()):
         (loss, m), g = jax.jit(jax.value_and_grad(lambda z: logits_loss(z, impl),
                                                   has_aux=True))(z)
         (hloss, hm), hg = jax.jit(jax.value_and_grad(lambda h, w: head_loss(h, w, impl),
@@ -267,21 +280,26 @@ def test_losses_take_the_truncation(monkeypatch, level, tr, dweight):
     assert float(want["reference"][2]) == (outside.reshape(b, t) * np.asarray(mask)).sum() > 0
 
 
-def test_where_no_truncation_runs_it_is_refused_by_name():
-    """The loss's Pallas kernels (also on a mesh) raise a ValueError that names what does not
-    take the options; ``impl="auto"`` takes xla."""
+def test_pallas_options_without_a_floor_are_refused_by_name():
+    """The Pallas kernels that take no truncation floor (the one-pass kernels, the GPU's
+    "aligned" layout), asked for by name with a truncation, raise a ValueError that names the
+    option (also on a mesh); their defaults take the kernels that do."""
     from grpo_kernels import GRPOLossConfig, grpo_loss
     from grpo_kernels.sharding import ShardingSpec, sharded_grpo_loss
 
     cfg = GRPOLossConfig(top_k=5)
     z, ids = jax.random.normal(jax.random.key(0), (2, 3, 40)), jnp.zeros((2, 3), jnp.int32)
     mask, adv = jnp.ones((2, 3)), jnp.ones((2,))
-    with pytest.raises(ValueError, match="impl='pallas' does not truncate"):
-        grpo_loss(z, ids, mask, adv, config=cfg, impl="pallas")
+    one_pass = PallasOptions(one_pass=True)
+    with pytest.raises(ValueError, match="PallasOptions.one_pass=True takes no top_k"):
+        grpo_loss(z, ids, mask, adv, config=cfg, impl="pallas", options=one_pass)
+    with pytest.raises(ValueError, match="gpu_layout='aligned' takes no truncation floor"):
+        grpo_loss(z, ids, mask, adv, config=cfg, impl="pallas",
+                  options=PallasOptions(kernel="gpu", gpu_layout="aligned"))
+    mesh = jax.make_mesh((1,), ("dp",))
+    with pytest.raises(ValueError, match="PallasOptions.one_pass=True takes no top_k"):
+        sharded_grpo_loss(z, ids, mask, adv, mesh=mesh, sharding=ShardingSpec("dp"),
+                          config=cfg, impl="pallas", options=one_pass)
     _, m = grpo_loss(z, ids, mask, adv, config=cfg)  # auto
     fifth = np.sort(np.asarray(z), axis=-1)[..., -5]
     assert float(m["outside_truncation"]) == float((np.asarray(z)[..., 0] < fifth).sum())
-    mesh = jax.make_mesh((1,), ("dp",))
-    with pytest.raises(ValueError, match="impl='pallas' does not truncate"):
-        sharded_grpo_loss(z, ids, mask, adv, mesh=mesh, sharding=ShardingSpec("dp"),
-                          config=cfg, impl="pallas")

@@ -84,18 +84,6 @@ def config_truncation(config: Any, vocab: int) -> Truncation | None:
     return trunc if trunc.active(vocab) else None
 
 
-def truncation_impl(impl: str, requested: str, options: Any) -> tuple[str, Any]:
-    """``(impl, options)`` that compute a truncation: ``impl="auto"`` resolved to ``pallas``
-    becomes ``xla`` with its default options (the Pallas ones do not apply); ``pallas`` asked
-    for by name is a ValueError (its kernels take no floor)."""
-    if impl != "pallas":
-        return impl, options
-    if requested != "auto":
-        raise ValueError("top_k / top_p / min_p: impl='pallas' does not truncate; use "
-                         "impl='xla' or 'reference'")
-    return "xla", None
-
-
 def outside_count(outside: Array, mask: Array) -> Array:
     """The number of unmasked tokens a truncation would have dropped (float32): the loss
     metric ``outside_truncation``."""
@@ -281,6 +269,14 @@ def keep_mask(s: Array, floor: Array, hit: Array | bool) -> Array:
     """Where ``s [..., V]`` is kept: at or above the row's ``floor``, or the chosen token
     (``hit``, a mask of the shape of ``s``; ``False``: none)."""
     return (s >= floor[..., None]) | hit
+
+
+def drop_outside(u: Array, s: Array, floor: Array, hit: Array | bool) -> Array:
+    """``u`` where the scaled logits ``s`` are kept (at or above ``floor``, which broadcasts
+    against ``s`` as given, or the chosen token ``hit``), ``-inf`` elsewhere: the dropped
+    tokens' ``p = e^{u}`` is 0 in a gradient formed from ``u = s - lse`` (the Pallas kernels
+    mask their tiles with it)."""
+    return jnp.where((s >= floor) | hit, u, -jnp.inf)
 
 
 def truncate(s: Array, floor: Array, hit: Array | bool) -> Array:

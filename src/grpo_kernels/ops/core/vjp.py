@@ -18,6 +18,7 @@ import numpy as np
 
 from grpo_kernels.objective import RowGrad
 from grpo_kernels.ops.core.dtypes import F32, cast_to
+from grpo_kernels.ops.core.truncation import outside_count
 
 Array = jax.Array
 # forward(primals, batch, with_grad) -> ((loss, metrics), residuals)
@@ -79,23 +80,34 @@ def loss_with_gradient(forward: Forward, backward: Backward = scale_by_cotangent
 
 
 def loss_from_pieces(stats: Callable, grad: Callable, ids: Array, config: Any,
-                     primals: tuple, batch: Any) -> tuple[Array, dict[str, Array]]:
+                     primals: tuple, batch: Any,
+                     truncated: bool = False) -> tuple[Array, dict[str, Array]]:
     """The loss of a backend given as statistics and gradient pieces (the Pallas kernels).
 
     ``stats(primals, ids)`` gives the ``[B, T]`` ``(logp, lse, entropy)``; the forward turns
     them into the loss and its :class:`~grpo_kernels.objective.RowGrad` (``batch.loss``) and
     keeps ``(primals, lse, row_grad)``, ``O(N)`` beyond the primals; the backward runs
     ``grad(primals, ids, lse, row_grad.scaled(cotangent))``.
+
+    ``truncated``: pieces made for a sampler's truncation
+    (:mod:`grpo_kernels.ops.core.truncation`): ``stats`` also gives each row's floor and
+    whether its id lies below it, the metrics gain ``outside_truncation``, and ``grad`` takes
+    ``(ids, floor)`` for ``ids``.
     """
 
     def forward(primals, batch, with_grad):
-        logp, lse, entropy = stats(primals, ids)
+        out = stats(primals, ids)
+        logp, lse, entropy = out[:3]
         loss, metrics, row_grad = batch.loss(logp, entropy, config, with_grad)
-        return (loss, metrics), (primals, lse, row_grad)
+        targets = ids
+        if truncated:
+            targets = (ids, out[3])
+            metrics = {**metrics, "outside_truncation": outside_count(out[4], batch.mask)}
+        return (loss, metrics), (primals, targets, lse, row_grad)
 
     def backward(residuals, cotangent):
-        primals, lse, row_grad = residuals
-        return grad(primals, ids, lse, row_grad.scaled(cotangent))
+        primals, targets, lse, row_grad = residuals
+        return grad(primals, targets, lse, row_grad.scaled(cotangent))
 
     return loss_with_gradient(forward, backward)(primals, batch)
 

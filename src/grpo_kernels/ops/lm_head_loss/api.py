@@ -11,7 +11,6 @@ from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective.segments import Segments
 from grpo_kernels.objective.batch import TokenBatch
 from grpo_kernels.ops.core.dtypes import common_dtype
-from grpo_kernels.ops.core.truncation import config_truncation, truncation_impl
 from grpo_kernels.ops.core.validate import (
     check_ids_in_range,
     check_softcap,
@@ -194,13 +193,10 @@ def grpo_loss_from_hidden(
       >>> bool(jnp.allclose(jax.grad(fused)(h), jax.grad(plain)(h), atol=1e-5))
       True
     """
-    requested = impl
     impl = resolve_impl(impl, options, OPTION_TYPES, default_impl)
     fmt = validate_call(hidden, lm_head, ids, mask, advantages, config, old_logps, ref_logps,
                         lm_head_layout, bias, logits_dtype, sampler_weights, sampler_logps,
                         logit_softcap, segments)
-    if config_truncation(config, fmt.vocab(lm_head)) is not None:
-        impl, options = truncation_impl(impl, requested, options)
     if check_ids:
         check_ids_in_range(ids, mask, fmt.vocab(lm_head))
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,

@@ -49,7 +49,9 @@ from grpo_kernels.ops.core.dtypes import common_dtype
 from grpo_kernels.ops.core.online_softmax import (block_stats, cap_logits, finish, merge_stats,
                                                   softmax_grad, with_cap_grad)
 from grpo_kernels.ops.core.tpu import row_major_by_default
+from grpo_kernels.ops.core.truncation import Truncation, config_truncation, drop_outside
 from grpo_kernels.ops.core.vjp import loss_from_pieces
+from grpo_kernels.ops.lm_head_loss import xla as head_xla
 from grpo_kernels.ops.lm_head_loss.head import HeadFormat, delta_dtype
 from grpo_kernels.ops.lm_head_loss.head import matmul as _dot
 from grpo_kernels.ops.lm_head_loss.pallas_options import LmHeadPallasOptions, Tiles, plan_tiles
@@ -167,16 +169,24 @@ def head_statistics(h: Array, w: Array, bias: Array | None, ids: Array, *, layou
     return logp[:, 0], lse[:, 0], ent[:, 0]
 
 
-def _delta(h, w_ref, b_ref, row_refs, col0, *, vocab, layout, logits_dtype, tau, cap):
+def _delta(h, w_ref, b_ref, row_refs, col0, *, vocab, layout, logits_dtype, tau, cap,
+           with_floor):
     """``(delta, w)`` of one tile: the logits gradient (0 past V, in :func:`delta_dtype`) and
     the W tile with its columns past V zeroed (they hold garbage: the tile overhangs the
-    array). ``row_refs``: ids, lse, coef and, with an entropy term, its factor and the
-    entropies (:func:`softmax_grad`)."""
+    array). ``row_refs``: ids, lse, coef, the rows' truncation floors (``with_floor``: the
+    entries below them, but the chosen one, have ``p = 0``) and, with an entropy term, its
+    factor and the entropies (:func:`softmax_grad`)."""
     ids_ref, lse_ref, coef_ref = row_refs[:3]
-    hcoef, ent = (row_refs[3][...], row_refs[4][...]) if len(row_refs) == 5 else (None, None)
+    floor = row_refs[3][...] if with_floor else None
+    rest = row_refs[3 + with_floor:]
+    hcoef, ent = (rest[0][...], rest[1][...]) if rest else (None, None)
     s, cols, valid = _finish_logits(_matmul_hw(h, w_ref[...], layout), b_ref, col0, vocab=vocab,
                                     logits_dtype=logits_dtype, tau=tau, cap=cap)
-    delta = softmax_grad(s - lse_ref[...], cols == ids_ref[...], coef_ref[...], hcoef, ent)
+    hit = cols == ids_ref[...]
+    u = s - lse_ref[...]
+    if with_floor:
+        u = drop_outside(u, s, floor, hit)
+    delta = softmax_grad(u, hit, coef_ref[...], hcoef, ent)
     delta = with_cap_grad(delta, s * tau, cap)  # w.r.t. the uncapped logits
     delta = jnp.where(valid, delta, 0.0).astype(delta_dtype(logits_dtype, w_ref.dtype))
     w = w_ref[...]
@@ -185,7 +195,7 @@ def _delta(h, w_ref, b_ref, row_refs, col0, *, vocab, layout, logits_dtype, tau,
     return delta, w
 
 
-def _dh_kernel(*refs, vocab, tv, layout, logits_dtype, tau, cap, has_bias, n_rows):
+def _dh_kernel(*refs, vocab, tv, layout, logits_dtype, tau, cap, has_bias, n_rows, with_floor):
     h_ref, w_ref = refs[:2]
     b_ref = refs[2] if has_bias else None
     row_refs = refs[2 + has_bias:2 + has_bias + n_rows]
@@ -198,7 +208,8 @@ def _dh_kernel(*refs, vocab, tv, layout, logits_dtype, tau, cap, has_bias, n_row
 
     h = h_ref[...]
     delta, w = _delta(h, w_ref, b_ref, row_refs, j * tv, vocab=vocab,
-                      layout=layout, logits_dtype=logits_dtype, tau=tau, cap=cap)
+                      layout=layout, logits_dtype=logits_dtype, tau=tau, cap=cap,
+                      with_floor=with_floor)
     acc[...] += _dot(delta, w, ((1,), (1,)) if layout == "hv" else ((1,), (0,)))
 
     @pl.when(j == pl.num_programs(1) - 1)
@@ -206,7 +217,7 @@ def _dh_kernel(*refs, vocab, tv, layout, logits_dtype, tau, cap, has_bias, n_row
         dh_ref[...] = acc[...].astype(dh_ref.dtype)
 
 
-def _dw_kernel(*refs, vocab, tv, layout, logits_dtype, tau, cap, has_bias, n_rows):
+def _dw_kernel(*refs, vocab, tv, layout, logits_dtype, tau, cap, has_bias, n_rows, with_floor):
     h_ref, w_ref = refs[:2]
     b_ref = refs[2] if has_bias else None
     rest = refs[2 + has_bias:]
@@ -222,7 +233,8 @@ def _dw_kernel(*refs, vocab, tv, layout, logits_dtype, tau, cap, has_bias, n_row
 
     h = h_ref[...]
     delta, _ = _delta(h, w_ref, b_ref, row_refs, j * tv, vocab=vocab,
-                      layout=layout, logits_dtype=logits_dtype, tau=tau, cap=cap)
+                      layout=layout, logits_dtype=logits_dtype, tau=tau, cap=cap,
+                      with_floor=with_floor)
     if layout == "hv":
         acc[...] += _dot(h, delta, ((0,), (0,)))
     else:
@@ -240,21 +252,26 @@ def _dw_kernel(*refs, vocab, tv, layout, logits_dtype, tau, cap, has_bias, n_row
 def head_gradients(h: Array, w: Array, bias: Array | None, ids: Array, lse: Array, coef: Array,
                    *, layout: str, logits_dtype: Any, temperature: float, tiles: Tiles,
                    interpret: bool = False, hcoef: Array | None = None,
-                   entropy: Array | None = None,
-                   softcap: float | None = None) -> tuple[Array, Array, Array | None]:
+                   entropy: Array | None = None, softcap: float | None = None,
+                   floor: Array | None = None) -> tuple[Array, Array, Array | None]:
     """``(dh, dW, db)`` for per-row factors ``coef = g * cotangent / tau`` and, with an entropy
     term, ``hcoef = h * cotangent / tau`` and the rows' ``entropy`` (``N`` a multiple of tm);
-    ``softcap`` as :func:`head_statistics`."""
+    ``softcap`` as :func:`head_statistics`; ``floor``: ``[N]`` float32 floors of the scaled
+    logits under a sampler's truncation (:mod:`grpo_kernels.ops.core.truncation`), below
+    which the softmax has ``p = 0`` (but at the chosen id), or ``None``."""
     n, hidden = h.shape
     vocab = w.shape[1] if layout == "hv" else w.shape[0]
     tm, tv = tiles.rows, tiles.vocab
     nv, nr = pl.cdiv(vocab, tv), n // tm
     has_bias = bias is not None
     per_row = [ids.reshape(n, 1), lse.reshape(n, 1), coef.reshape(n, 1)]
+    if floor is not None:
+        per_row.append(floor.reshape(n, 1))
     if hcoef is not None:
         per_row += [hcoef.reshape(n, 1), entropy.reshape(n, 1)]
     static = dict(vocab=vocab, tv=tv, layout=layout, logits_dtype=logits_dtype,
-                  tau=temperature, cap=softcap, has_bias=has_bias, n_rows=len(per_row))
+                  tau=temperature, cap=softcap, has_bias=has_bias, n_rows=len(per_row),
+                  with_floor=floor is not None)
     bias_args = [bias.reshape(1, vocab)] if has_bias else []
 
     # dh: rows parallel, vocabulary accumulated.
@@ -296,7 +313,8 @@ def head_gradients(h: Array, w: Array, bias: Array | None, ids: Array, lse: Arra
 
 
 def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadPallasOptions | None,
-           temperature: float, interpret: bool | str | None = None):
+           temperature: float, interpret: bool | str | None = None,
+           trunc: Truncation | None = None):
     """``(stats, grad)`` on ``[B, T, H]`` hidden states and a head (shard) ``w``:
 
     ``stats(primals, ids)`` -> ``[B, T]`` ``(logp, lse, entropy)`` of the head's columns;
@@ -304,6 +322,11 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadPallasOption
     and :class:`~grpo_kernels.objective.RowGrad` (carrying the loss cotangent; an id of ``-1``
     hits no column).
     ``interpret`` overrides the options' (the sharding layer passes ``"hlo"`` on CPU).
+
+    With the sampler's truncation ``trunc`` (a whole head): ``stats`` is the XLA head's
+    truncated pass (:func:`..xla.pieces`: ``(logp, lse, entropy, floor, outside)``, one
+    matmul of the logits' size as the statistics kernel's), and ``grad`` takes
+    ``(ids, floor)`` for ``hit_ids``: the gradient kernels mask what each row's floor drops.
     """
     opts = options or LmHeadPallasOptions()
     b, t, hdim = hidden.shape
@@ -328,17 +351,24 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadPallasOption
 
     def stats(primals, ids):
         hidden, w, bias = primals
+        if trunc is not None:
+            return head_xla.pieces(hidden, w, fmt, None, temperature, fmt.vocab(w), None,
+                                   trunc=trunc)[0](primals, ids)
         out = head_statistics(rows(hidden.astype(compute)), oriented(w.astype(compute)), bias,
                               rows(ids), **static)
         return tuple(x[:n].reshape(b, t) for x in out)
 
     def grad(primals, hit_ids, lse, row):
         hidden, w, bias = primals
+        floor = {}
+        if trunc is not None:
+            hit_ids, f = hit_ids
+            floor = dict(floor=rows(f))
         row = row.over(temperature)
         entropy = {} if row.h is None else dict(hcoef=rows(row.h), entropy=rows(row.entropy))
         dh, dw, db = head_gradients(rows(hidden.astype(compute)), oriented(w.astype(compute)),
                                     bias, rows(hit_ids, -1), rows(lse), rows(row.g),
-                                    **static, **entropy)
+                                    **static, **entropy, **floor)
         return (dh[:n].reshape(hidden.shape).astype(hidden.dtype), oriented(dw).astype(w.dtype),
                 db)
 
@@ -348,7 +378,9 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadPallasOption
 def pallas_lm_head_loss(hidden: Array, lm_head: Array, bias: Array | None, batch: TokenBatch,
                         config: GRPOLossConfig, fmt: HeadFormat, options: LmHeadPallasOptions
                         | None = None) -> tuple[Array, dict[str, Array]]:
-    """The fused loss on the TPU kernels; args and returns as ``grpo_loss_from_hidden``."""
-    stats, grad = pieces(hidden, lm_head, fmt, options, config.temperature)
+    """The fused loss on the TPU kernels; args and returns as ``grpo_loss_from_hidden`` (under
+    the config's sampler truncation, :func:`pieces`' XLA statistics pass first)."""
+    trunc = config_truncation(config, fmt.vocab(lm_head))
+    stats, grad = pieces(hidden, lm_head, fmt, options, config.temperature, trunc=trunc)
     return loss_from_pieces(stats, grad, batch.clamped_ids(fmt.vocab(lm_head)), config,
-                            (hidden, lm_head, bias), batch)
+                            (hidden, lm_head, bias), batch, truncated=trunc is not None)

@@ -9,7 +9,6 @@ import jax
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.objective.segments import Segments
 from grpo_kernels.objective.batch import TokenBatch
-from grpo_kernels.ops.core.truncation import config_truncation, truncation_impl
 from grpo_kernels.ops.core.validate import (
     backend_kind,
     check_ids_in_range,
@@ -145,10 +144,7 @@ def grpo_loss(
     """
     validate_token_inputs(logits, ids, mask, advantages, config, old_logps, ref_logps,
                           sampler_weights, sampler_logps, segments)
-    requested = impl
     impl = resolve_impl(impl, options, OPTION_TYPES, default_impl)
-    if config_truncation(config, logits.shape[-1]) is not None:
-        impl, options = truncation_impl(impl, requested, options)
     softcap = check_softcap(logit_softcap)
     if check_ids:
         check_ids_in_range(ids, mask, logits.shape[-1])

@@ -30,7 +30,9 @@ from grpo_kernels.ops.core.options import check_int, check_interpret, resolved_i
 from grpo_kernels.ops.core.tpu import check_generation
 from grpo_kernels.ops.core.validate import backend_kind
 from grpo_kernels.ops.core.vjp import loss_from_pieces, loss_with_gradient
+from grpo_kernels.ops.core.truncation import Truncation, config_truncation
 from grpo_kernels.ops.logits_loss import pallas_gpu, pallas_gpu_one_pass, pallas_tpu
+from grpo_kernels.ops.logits_loss import xla as logits_xla
 
 Array = jax.Array
 
@@ -137,14 +139,21 @@ class PallasOptions:
     def resolved_interpret(self, backend: str | None = None) -> bool | str:
         return resolved_interpret(self.interpret, backend_kind(backend))
 
-    def resolved_one_pass(self, config: GRPOLossConfig, backend: str | None = None) -> bool:
-        """Whether a one-pass kernel computes ``config``'s loss (see ``one_pass``)."""
+    def resolved_one_pass(self, config: GRPOLossConfig, backend: str | None = None,
+                          truncated: bool = False) -> bool:
+        """Whether a one-pass kernel computes ``config``'s loss (see ``one_pass``); never
+        under a sampler's truncation (``truncated``: the one-pass kernels take no floor)."""
         fits = token_separable(config)
         if self.one_pass and not fits:
             raise ValueError(
                 "PallasOptions.one_pass=True needs a token-separable config (token level; no "
                 "vespo, off_policy_mask_threshold, sequence-level sampler_correction or "
                 f"top_entropy_quantile < 1), got {config!r}")
+        if self.one_pass and truncated:
+            raise ValueError("PallasOptions.one_pass=True takes no top_k / top_p / min_p (the "
+                             "one-pass kernels take no truncation floor); use one_pass=None")
+        if truncated:
+            return False
         if self.one_pass is None:
             return fits and self.resolved_kernel(backend) == "tpu"
         return self.one_pass
@@ -156,13 +165,28 @@ def _tpu_tiling(vocab: int, dtype, opts: PallasOptions, n: int) -> pallas_tpu.Tp
                                   blocks.block_vocab, n)
 
 
-def kernels(vocab: int, dtype, opts: PallasOptions, n: int, softcap: float | None = None):
+def _gpu_layout(opts: PallasOptions, truncated: bool) -> str:
+    """The GPU layout asked for; under a sampler's truncation ``"rows"`` (the one whose
+    gradient kernel takes the rows' floors), and a ValueError for ``"aligned"`` by name."""
+    if not truncated:
+        return opts.gpu_layout
+    if opts.gpu_layout == "aligned":
+        raise ValueError("top_k / top_p / min_p: PallasOptions.gpu_layout='aligned' takes no "
+                         "truncation floor; use gpu_layout='rows' or 'auto'")
+    return "rows"
+
+
+def kernels(vocab: int, dtype, opts: PallasOptions, n: int, softcap: float | None = None,
+            truncated: bool = False):
     """``(row_statistics, logits_gradient)`` on ``[N, V]`` rows (``N = n``, which the TPU
-    tiling fits its row blocks to), bound to their tiling, interpret flag and soft cap."""
+    tiling fits its row blocks to), bound to their tiling, interpret flag and soft cap
+    (``truncated``: the gradient takes a ``floor`` per row; the GPU kernels then use the
+    ``"rows"`` layout)."""
     interpret = opts.resolved_interpret()
     blocks = opts.blocks or PallasBlockSizes()
     if opts.resolved_kernel() == "gpu":
-        tiling = pallas_gpu.plan_blocks(vocab, blocks.block_vocab, opts.gpu_layout, n)
+        tiling = pallas_gpu.plan_blocks(vocab, blocks.block_vocab, _gpu_layout(opts, truncated),
+                                        n)
         mod = pallas_gpu
     else:
         tiling, mod = _tpu_tiling(vocab, dtype, opts, n), pallas_tpu
@@ -170,33 +194,48 @@ def kernels(vocab: int, dtype, opts: PallasOptions, n: int, softcap: float | Non
     def stats(z, ids, tau):
         return mod.row_statistics(z, ids, tau, tiling, interpret=interpret, softcap=softcap)
 
-    def grad(z, ids, lse, coef, tau, hcoef=None, entropy=None):
+    def grad(z, ids, lse, coef, tau, hcoef=None, entropy=None, floor=None):
         return mod.logits_gradient(z, ids, lse, coef, tau, tiling, interpret=interpret,
                                    alias_logits=opts.alias_logits, hcoef=hcoef,
-                                   entropy=entropy, softcap=softcap)
+                                   entropy=entropy, softcap=softcap, floor=floor)
 
     return stats, grad
 
 
 def pieces(shape: tuple[int, ...], dtype, options: PallasOptions | None, temperature: float,
-           softcap: float | None = None):
+           softcap: float | None = None, trunc: Truncation | None = None):
     """``(stats, grad)`` on primals ``(z,)``, ``z`` ``[B, T, V_k]`` logits (soft-capped by
     ``softcap`` in the kernels), as :func:`..xla.pieces`: ``stats((z,), ids)`` -> ``[B, T]``
     ``(logp, lse, entropy)``;
     ``grad((z,), hit_ids, lse, row_grad)`` -> ``(dz,)`` where the
-    :class:`~grpo_kernels.objective.RowGrad` already carries the loss cotangent."""
+    :class:`~grpo_kernels.objective.RowGrad` already carries the loss cotangent.
+
+    With the sampler's truncation ``trunc`` (whole rows): ``stats`` is the XLA pass that
+    finds each row's floor with the kept set's statistics
+    (:func:`..xla.truncated_statistics`: ``(logp, lse, entropy, floor, outside)``), and the
+    gradient kernel takes ``(ids, floor)`` for ``hit_ids``, masking the dropped entries: one
+    read of the logits for the statistics and one for the gradient, as without it."""
     b, t, vocab = shape
     n = b * t
-    row_stats, row_grad = kernels(vocab, dtype, options or PallasOptions(), n, softcap)
+    row_stats, row_grad = kernels(vocab, dtype, options or PallasOptions(), n, softcap,
+                                  trunc is not None)
 
     def stats(primals, ids):
-        out = row_stats(primals[0].reshape(n, vocab), ids.reshape(n), temperature)
+        if trunc is None:
+            out = row_stats(primals[0].reshape(n, vocab), ids.reshape(n), temperature)
+        else:
+            out = logits_xla.truncated_statistics(primals[0], ids.reshape(n), temperature,
+                                                  trunc, softcap=softcap)
         return tuple(x.reshape(b, t) for x in out)
 
     def grad(primals, hit_ids, lse, rg):
+        floor = None
+        if trunc is not None:
+            hit_ids, floor = hit_ids
+            floor = floor.reshape(n)
         rg = rg.map(lambda x: x.reshape(n)).over(temperature)
         dz = row_grad(primals[0].reshape(n, vocab), hit_ids.reshape(n), lse.reshape(n),
-                      rg.g, temperature, rg.h, rg.entropy)
+                      rg.g, temperature, rg.h, rg.entropy, floor)
         return (dz.reshape(b, t, vocab),)
 
     return stats, grad
@@ -208,14 +247,18 @@ def pallas_grpo_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,
     """GRPO loss on the Pallas kernels, differentiable w.r.t. ``logits``.
 
     Args, returns: as :func:`grpo_kernels.grpo_loss` (checked there; ``softcap``: its
-    ``logit_softcap``, applied inside the kernels).
+    ``logit_softcap``, applied inside the kernels). Under the config's sampler truncation
+    (``top_k``, ``top_p``, ``min_p``) the two kernels' path with the XLA statistics pass
+    (:func:`pieces`); the one-pass kernels take no floor.
     """
     options = options or PallasOptions()
-    if options.resolved_one_pass(config):
+    trunc = config_truncation(config, logits.shape[-1])
+    if options.resolved_one_pass(config, truncated=trunc is not None):
         return one_pass_loss(logits, batch, config, options, softcap=softcap)
-    stats, grad = pieces(logits.shape, logits.dtype, options, config.temperature, softcap)
+    stats, grad = pieces(logits.shape, logits.dtype, options, config.temperature, softcap,
+                         trunc)
     return loss_from_pieces(stats, grad, batch.clamped_ids(logits.shape[-1]), config,
-                            (logits,), batch)
+                            (logits,), batch, truncated=trunc is not None)
 
 
 def one_pass_loss(logits: Array, batch: TokenBatch, config: GRPOLossConfig,

@@ -40,6 +40,7 @@ from grpo_kernels.compat import out_struct
 from grpo_kernels.ops.logits_loss import pallas_gpu_aligned as aligned
 from grpo_kernels.ops.core.online_softmax import (block_stats, cap_logits, finish, reduce_stats,
                                                   softmax_grad, with_cap_grad)
+from grpo_kernels.ops.core.truncation import drop_outside
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -109,16 +110,20 @@ def _stats_kernel(x_ref, id_ref, m_ref, s_ref, q_ref, c_ref, *, block_vocab, inv
 
 
 def _grad_kernel(x_ref, id_ref, lse_ref, coef_ref, *rest, block_vocab, inv_tau, cap, ragged,
-                 with_entropy):
-    # rest: the entropy term's per-row factor and entropy (with_entropy), an aliased
-    # destination when there is one, and the output last.
+                 with_entropy, with_floor):
+    # rest: the row's truncation floor (with_floor), the entropy term's per-row factor and
+    # entropy (with_entropy), an aliased destination when there is one, and the output last.
     o_ref = rest[-1]
+    floor_ref = rest[0] if with_floor else None
+    rest = rest[with_floor:]
     hcoef, ent = (rest[0][...], rest[1][...]) if with_entropy else (None, None)
     vocab = x_ref.shape[0]
     start = _start(block_vocab, ragged, vocab // block_vocab)
     x, cols = _tile(x_ref, start, block_vocab, vocab, ragged, 0.0)
     capped = cap_logits(x, cap)
     u = capped * inv_tau - lse_ref[...]
+    if with_floor:  # the truncation's dropped entries: p = 0 (before the exp that reads u)
+        u = drop_outside(u, capped * inv_tau, floor_ref[...], cols == id_ref[...])
     # The order of these lines is the order of the Triton IR, and it matters: with the two
     # scalar loads traced before the exp, the kernel took 1.45-1.65x as long on an H100 at
     # V = 151,643 (unaligned rows, 2-byte loads), with no change at V = 151,936
@@ -181,11 +186,13 @@ def row_statistics(z: Array, ids: Array, temperature: float, blocks: GpuBlocks,
 def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: float,
                     blocks: GpuBlocks, interpret: bool = False,
                     alias_logits: bool = False, hcoef: Array | None = None,
-                    entropy: Array | None = None, softcap: float | None = None) -> Array:
+                    entropy: Array | None = None, softcap: float | None = None,
+                    floor: Array | None = None) -> Array:
     """:func:`softmax_grad` of ``u = c(z) / temperature - lse`` as ``[N, V]`` in ``z.dtype``:
     ``coef (onehot(ids) - exp(u))``, minus ``hcoef exp(u) (u + entropy)`` when ``hcoef`` is
-    given, times the soft cap's derivative with a ``softcap`` (arguments as the TPU
-    version's).
+    given, times the soft cap's derivative with a ``softcap``, ``exp(u)`` 0 below each row's
+    truncation ``floor`` (arguments as the TPU version's; the ``"aligned"`` layout takes no
+    ``floor``).
 
     The full tiles and the ragged tail are two calls writing one buffer. Without aliasing the
     full tiles go first into a fresh output and the tail call writes into it in place; with
@@ -194,11 +201,14 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
     writes it, and no other program touches it).
     """
     if blocks.layout == "aligned":
+        if floor is not None:
+            raise ValueError("a truncation floor needs the 'rows' GPU layout")
         return aligned.logits_gradient(z, ids, lse, coef, temperature, blocks, _params(blocks),
                                        interpret, alias_logits, hcoef, entropy, softcap)
     n, vocab = z.shape
     with_entropy = hcoef is not None
     args = (ids.astype(jnp.int32), lse.astype(_F32), coef.astype(_F32)) + (
+        (floor.astype(_F32),) if floor is not None else ()) + (
         (hcoef.astype(_F32), entropy.astype(_F32)) if with_entropy else ())
     full, tail = divmod(vocab, blocks.block_vocab)
 
@@ -208,7 +218,7 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
         return pl.pallas_call(
             functools.partial(_grad_kernel, block_vocab=blocks.block_vocab,
                               inv_tau=1.0 / temperature, cap=softcap, ragged=ragged,
-                              with_entropy=with_entropy),
+                              with_entropy=with_entropy, with_floor=floor is not None),
             grid=_grid(n, vocab, blocks.block_vocab, ragged),
             out_shape=out_struct((n, vocab), z.dtype, z, *args),
             in_specs=[row] + [scalar] * len(args) + [row] * len(extra), out_specs=row,

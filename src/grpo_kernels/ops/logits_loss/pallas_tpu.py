@@ -43,6 +43,7 @@ from grpo_kernels.compat import out_struct
 from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, sweep
 from grpo_kernels.ops.core.online_softmax import cap_logits, softmax_grad, with_cap_grad
 from grpo_kernels.ops.core.tpu import MiB, VMEM_BYTES, scoped_vmem_limit, tpu_generation
+from grpo_kernels.ops.core.truncation import drop_outside
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -154,15 +155,19 @@ def _row_stats(x_ref, ids: Array, block_vocab: int, inv_tau: float,
 
 
 def _write_grad(x_ref, o_ref, ids: Array, lse: Array, coef: Array, hcoef: Array | None,
-                ent: Array | None, block_vocab: int, inv_tau: float, cap: float | None) -> None:
+                ent: Array | None, block_vocab: int, inv_tau: float, cap: float | None,
+                floor: Array | None = None) -> None:
     """Writes :func:`softmax_grad` of the VMEM block ``x_ref`` into ``o_ref``, tile by tile
-    (w.r.t. the uncapped logits: times the cap's derivative)."""
+    (w.r.t. the uncapped logits: times the cap's derivative); with the rows' truncation
+    ``floor`` (``[rows, 1]``) the dropped entries have ``p = 0``."""
     rows, vocab = x_ref.shape
 
     def tile(start, width, carry):
         capped = cap_logits(x_ref[:, pl.ds(start, width)], cap)
         cols = start + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)
-        d = softmax_grad(capped * inv_tau - lse, cols == ids, coef, hcoef, ent)
+        s, hit = capped * inv_tau, cols == ids
+        u = s - lse if floor is None else drop_outside(s - lse, s, floor, hit)
+        d = softmax_grad(u, hit, coef, hcoef, ent)
         o_ref[:, pl.ds(start, width)] = with_cap_grad(d, capped, cap).astype(o_ref.dtype)
         return carry
 
@@ -174,11 +179,16 @@ def _stats_kernel(x_ref, ids_ref, logp_ref, lse_ref, ent_ref, *, block_vocab, in
                                                            inv_tau, cap)
 
 
-def _grad_kernel(x_ref, ids_ref, lse_ref, coef_ref, *rest, block_vocab, inv_tau, cap):
-    o_ref = rest[-1]  # rest: (hcoef_ref, ent_ref) with the entropy term, then the output
-    hcoef, ent = (rest[0][...], rest[1][...]) if len(rest) == 3 else (None, None)
+def _grad_kernel(x_ref, ids_ref, lse_ref, coef_ref, *rest, block_vocab, inv_tau, cap,
+                 with_floor):
+    # rest: the floor (with_floor), the entropy term's factor and entropies (when present),
+    # then the output
+    o_ref, rest = rest[-1], rest[:-1]
+    floor = rest[0][...] if with_floor else None
+    rest = rest[with_floor:]
+    hcoef, ent = (rest[0][...], rest[1][...]) if rest else (None, None)
     _write_grad(x_ref, o_ref, ids_ref[...], lse_ref[...], coef_ref[...], hcoef, ent,
-                block_vocab, inv_tau, cap)
+                block_vocab, inv_tau, cap, floor)
 
 
 def _one_pass_kernel(x_ref, ids_ref, *refs, block_vocab, inv_tau, cap, names, row_grad):
@@ -273,10 +283,12 @@ def row_statistics(z: Array, ids: Array, temperature: float, blocks: TpuBlocks,
 def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: float,
                     blocks: TpuBlocks, interpret: bool = False,
                     alias_logits: bool = False, hcoef: Array | None = None,
-                    entropy: Array | None = None, softcap: float | None = None) -> Array:
+                    entropy: Array | None = None, softcap: float | None = None,
+                    floor: Array | None = None) -> Array:
     """:func:`softmax_grad` of ``u = c(z) / temperature - lse`` as ``[N, V]`` in ``z.dtype``:
     ``coef (onehot(ids) - exp(u))``, minus ``hcoef exp(u) (u + entropy)`` with ``hcoef``;
     with a ``softcap``, times ``c'(z) = 1 - (c(z) / softcap)^2`` (the gradient w.r.t. ``z``).
+    With a sampler's truncation, ``exp(u)`` is 0 below each row's ``floor``.
 
     Args:
       z: ``[N, V]`` logits.
@@ -284,6 +296,9 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
       hcoef, entropy: ``[N]`` float32 factor of the entropy term and the rows' entropies, or
         ``None`` (no entropy term: the kernel reads neither).
       temperature, blocks, interpret, softcap: as :func:`row_statistics`.
+      floor: ``[N]`` float32 floors of the scaled logits under a sampler's truncation
+        (:mod:`grpo_kernels.ops.core.truncation`): entries below it, but the chosen one, are
+        dropped; ``None``: none.
       alias_logits: Write dlogits into the logits' buffer (``input_output_aliases``) when
         ``N`` is a multiple of ``blocks.block_rows``; XLA only avoids a copy when the logits
         are otherwise dead (e.g. donated).
@@ -291,10 +306,13 @@ def logits_gradient(z: Array, ids: Array, lse: Array, coef: Array, temperature: 
     n, vocab = z.shape
     cols = [ids.astype(jnp.int32).reshape(n, 1), lse.astype(_F32).reshape(n, 1),
             coef.astype(_F32).reshape(n, 1)]
+    if floor is not None:
+        cols.append(floor.astype(_F32).reshape(n, 1))
     if hcoef is not None:
         cols += [hcoef.astype(_F32).reshape(n, 1), entropy.astype(_F32).reshape(n, 1)]
     kernel = functools.partial(_grad_kernel, block_vocab=blocks.block_vocab,
-                               inv_tau=1.0 / temperature, cap=softcap)
+                               inv_tau=1.0 / temperature, cap=softcap,
+                               with_floor=floor is not None)
 
     def call(zz, per_row, rows, grid, out_rows, alias):
         n_cols = len(per_row)

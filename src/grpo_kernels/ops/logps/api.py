@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.ops.core.reference import truncated_token_logps
-from grpo_kernels.ops.core.truncation import Truncation, truncation_impl
+from grpo_kernels.ops.core.truncation import Truncation
 from grpo_kernels.ops.core.validate import (check_ids_in_range, check_shape, check_softcap,
                                             resolve_impl, shape_of)
 from grpo_kernels.ops.core.vjp import with_softmax_gradient
@@ -105,17 +105,6 @@ def requested_truncation(vocab: int, top_k: Any, top_p: Any, min_p: Any,
     return trunc if trunc.active(vocab) else None
 
 
-def check_truncation(impl: str, requested: str, options: Any, vocab: int, top_k: Any,
-                     top_p: Any, min_p: Any, return_outside: bool
-                     ) -> tuple[Truncation | None, str, Any]:
-    """The sampler's truncation (:func:`requested_truncation`) and the implementation and
-    options that compute it (:func:`~grpo_kernels.ops.core.truncation.truncation_impl`)."""
-    trunc = requested_truncation(vocab, top_k, top_p, min_p, return_outside)
-    if trunc is None:
-        return None, impl, options
-    return (trunc, *truncation_impl(impl, requested, options))
-
-
 def results(logp: Array, ent: Array, outside: Array | None, return_entropy: bool,
             return_outside: bool) -> Array | tuple[Array, ...]:
     """``logp``, then ``ent`` and ``outside`` (all False where None) as the log-prob ops'
@@ -177,10 +166,8 @@ def token_logps(logits: Array, ids: Array, *, temperature: float = 1.0,
     """
     b, t, vocab = check_logits(logits)
     tau = check_temperature(temperature)
-    requested = impl
     impl = resolve_impl(impl, options, logits_api.OPTION_TYPES, logits_api.default_impl)
-    trunc, impl, options = check_truncation(impl, requested, options, vocab, top_k, top_p,
-                                            min_p, return_outside)
+    trunc = requested_truncation(vocab, top_k, top_p, min_p, return_outside)
     softcap = check_softcap(logit_softcap)
     ids = check_token_ids(ids, b, t, vocab, check_ids)
     if impl == "reference":
@@ -190,9 +177,9 @@ def token_logps(logits: Array, ids: Array, *, temperature: float = 1.0,
             *logits_xla.pieces(logits.shape, options, tau, softcap, trunc), (logits,), ids,
             return_entropy, truncated=trunc is not None)
     else:
-        logp, ent, outside = from_pieces(*logits_pallas.pieces(logits.shape, logits.dtype,
-                                                               options, tau, softcap),
-                                         (logits,), ids, return_entropy)
+        logp, ent, outside = from_pieces(
+            *logits_pallas.pieces(logits.shape, logits.dtype, options, tau, softcap, trunc),
+            (logits,), ids, return_entropy, truncated=trunc is not None)
     return results(logp, ent, outside, return_entropy, return_outside)
 
 
@@ -252,14 +239,12 @@ def token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *,
       >>> bool(jnp.allclose(fused, token_logps(h @ w, ids, impl="reference"), atol=1e-5))
       True
     """
-    requested = impl
     impl = resolve_impl(impl, options, head_api.OPTION_TYPES, head_api.default_impl)
     fmt = head_api.validate_head(hidden, lm_head, lm_head_layout, bias, logits_dtype,
                                  logit_softcap)
     b, t, _ = hidden.shape
     vocab = fmt.vocab(lm_head)
-    trunc, impl, options = check_truncation(impl, requested, options, vocab, top_k, top_p,
-                                            min_p, return_outside)
+    trunc = requested_truncation(vocab, top_k, top_p, min_p, return_outside)
     tau = check_temperature(temperature)
     ids = check_token_ids(ids, b, t, vocab, check_ids)
     primals = (hidden, lm_head, bias)
@@ -271,7 +256,7 @@ def token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *,
             *head_xla.pieces(hidden, lm_head, fmt, options, tau, vocab, None, trunc=trunc),
             primals, ids, return_entropy, truncated=trunc is not None)
     else:
-        logp, ent, outside = from_pieces(*head_pallas.pieces(hidden, lm_head, fmt, options,
-                                                             tau),
-                                         primals, ids, return_entropy)
+        logp, ent, outside = from_pieces(
+            *head_pallas.pieces(hidden, lm_head, fmt, options, tau, trunc=trunc), primals, ids,
+            return_entropy, truncated=trunc is not None)
     return results(logp, ent, outside, return_entropy, return_outside)
