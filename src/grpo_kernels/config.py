@@ -132,7 +132,8 @@ class GRPOLossConfig:
         for off): the log-probs are those of the distribution it drew from, renormalised over
         the tokens it keeps and the chosen one (:mod:`grpo_kernels.ops.core.truncation`), the
         entropy that distribution's; the metric ``outside_truncation`` counts the unmasked
-        tokens it would have dropped. ``reference`` and ``xla``, one device.
+        tokens it would have dropped. Every implementation, on one device or on a mesh
+        that keeps rows whole (:mod:`grpo_kernels.sharding.truncation`).
     """
 
     loss_type: LossType = "grpo"

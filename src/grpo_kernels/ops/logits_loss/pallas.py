@@ -86,12 +86,15 @@ class PallasOptions:
         second read from L2; addresses rows as the ``"aligned"`` layout whatever
         ``gpu_layout``). ``None``: exactly when the TPU kernel runs and the config is
         token-separable (the GPU one was no faster than the aligned layout on an H100);
-        ``True`` with another config raises; ``False``: the two kernels.
+        ``True`` with another config, or under a sampler's truncation (the one-pass kernels
+        take no floor), raises; ``False``: the two kernels.
       gpu_layout: How the GPU kernels address a row: ``"rows"`` (tiles from each row's start)
         or ``"aligned"`` (tiles on 16-byte boundaries, no column ids inside them;
         :mod:`~grpo_kernels.ops.logits_loss.pallas_gpu_aligned`; int32 offsets, so
         ``N * V < 2^31``). ``"auto"``: ``"aligned"`` where it fits, else ``"rows"`` (aligned
-        was faster at every shape on an H100, docs/benchmarks.md). Ignored by the TPU kernels.
+        was faster at every shape on an H100, docs/benchmarks.md); under a sampler's
+        truncation ``"rows"`` (``"aligned"`` takes no floor: asked for by name, it raises).
+        Ignored by the TPU kernels.
       tpu_generation: The TPU the TPU kernels' blocks are sized for (``"v4"``, ``"v5e"``,
         ``"v5p"``, ``"v6e"``, ``"v7x"``: :data:`grpo_kernels.ops.core.tpu.VMEM_BYTES`);
         ``None``: the first device's, else ``"v6e"``. Name it when tracing on one host for

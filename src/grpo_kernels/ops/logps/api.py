@@ -149,8 +149,8 @@ def token_logps(logits: Array, ids: Array, *, temperature: float = 1.0,
     Returns:
       ``logp [B, T]`` float32, then ``entropy`` (``return_entropy``) and ``outside``
       (``return_outside``) when asked; differentiable w.r.t. ``logits``. The truncation's
-      kept set is a constant of the gradient (``reference`` and ``xla``; ``impl="auto"``
-      takes ``xla`` where it would take ``pallas``).
+      kept set is a constant of the gradient (every implementation; ``pallas`` takes each
+      row's floor from the ``xla`` statistics pass).
 
     Raises:
       ValueError: naming the argument (shapes, dtypes, temperature, impl, options).
