@@ -176,8 +176,8 @@ def _train(config: Path, *extra: str, limit_s: float = LIMIT_S):
 
 @pytest.mark.slow
 def test_train_command_across_processes_writes_once_and_resumes(tmp_path):
-    """Two steps of ``grpo-kernels train`` over two processes (a (tp=2, dp=4) mesh, each
-    process sampling 2 of the step's 4 problems), then a third step resumed from the Orbax
+    """One step of ``grpo-kernels train`` over two processes (a (tp=2, dp=4) mesh, each
+    process sampling 2 of the step's 4 problems), then a second step resumed from the Orbax
     checkpoint the two wrote together. Process 0 alone writes metrics and samples, one line
     per step; the checkpoint restores in a one-process trainer."""
     import json
@@ -190,7 +190,7 @@ def test_train_command_across_processes_writes_once_and_resumes(tmp_path):
 
     run = tmp_path / "run"
     values = trainer_values(run, "fused")
-    values["train"].update(steps=2, checkpoint_every=1)
+    values["train"].update(steps=1, checkpoint_every=1)
     # brevity (characters written) varies within a group even for a random model: updates move
     values["rewards"] = {"functions": [{"name": "brevity"}]}
     values["mesh"] = {"shape": {"tp": 2, "dp": 4}, "batch_axes": ["dp"], "vocab_axis": "tp"}
@@ -198,16 +198,17 @@ def test_train_command_across_processes_writes_once_and_resumes(tmp_path):
     config.write_text(yaml.safe_dump(values))
 
     out0, out1 = _train(config)
-    assert "step 2:" in out0 and "step 2:" not in out1  # the summary is process 0's
+    assert "step 1:" in out0 and "step 1:" not in out1  # the summary is process 0's
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in metrics] == [1, 2]
+    assert [r["step"] for r in metrics] == [1]
     assert all(np.isfinite(r["loss"]) and r["tokens"] > 0 for r in metrics)
     samples = (run / "samples.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in samples] == [1, 2]
+    assert [json.loads(line)["step"] for line in samples] == [1]
 
-    _train(config, "--steps", "3")
+    _train(config, "--steps", "2")
     resumed = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in resumed] == [1, 2, 3] and resumed[:2] == metrics
+    assert [r["step"] for r in resumed] == [1, 2] and resumed[:1] == metrics
+    assert all(np.isfinite(r["loss"]) and r["tokens"] > 0 for r in resumed)
 
     one = Trainer(TrainConfig.from_dict(trainer_values(tmp_path / "one", "fused")),
                   progress=False)
@@ -216,7 +217,7 @@ def test_train_command_across_processes_writes_once_and_resumes(tmp_path):
         step, state, _ = ckpt.restore(one.state, one.opt_state)
     finally:
         ckpt.close()
-    assert step == 3
+    assert step == 2
     moved = [float(np.abs(np.asarray(a) - np.asarray(b)).max())
              for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(one.state), strict=True)]
     assert all(np.isfinite(m) for m in moved) and max(moved) > 0
