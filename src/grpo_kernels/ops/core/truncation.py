@@ -265,23 +265,19 @@ def listed_stats(s: Array, chosen: Array, trunc: Truncation) -> tuple[Array, ...
     return (floor, *finish(m_safe, total, q, chosen), out)
 
 
-def keep_mask(s: Array, floor: Array, hit: Array | bool) -> Array:
-    """Where ``s [..., V]`` is kept: at or above the row's ``floor``, or the chosen token
-    (``hit``, a mask of the shape of ``s``; ``False``: none)."""
-    return (s >= floor[..., None]) | hit
-
-
 def drop_outside(u: Array, s: Array, floor: Array, hit: Array | bool) -> Array:
     """``u`` where the scaled logits ``s`` are kept (at or above ``floor``, which broadcasts
-    against ``s`` as given, or the chosen token ``hit``), ``-inf`` elsewhere: the dropped
-    tokens' ``p = e^{u}`` is 0 in a gradient formed from ``u = s - lse`` (the Pallas kernels
-    mask their tiles with it)."""
+    against ``s`` as given: ``floor[..., None]`` for a row's floor, a ``[rows, 1]`` column in a
+    kernel; or the chosen token, ``hit``, a mask of the shape of ``s``, ``False``: none),
+    ``-inf`` elsewhere: the dropped tokens' ``p = e^{u}`` is 0 in a gradient formed from
+    ``u = s - lse``."""
     return jnp.where((s >= floor) | hit, u, -jnp.inf)
 
 
 def truncate(s: Array, floor: Array, hit: Array | bool) -> Array:
-    """``s`` with the dropped entries at ``-inf`` (:func:`keep_mask`)."""
-    return jnp.where(keep_mask(s, floor, hit), s, -jnp.inf)
+    """``s [..., V]`` with the entries below the row's ``floor [...]`` (but ``hit``) at
+    ``-inf`` (:func:`drop_outside`)."""
+    return drop_outside(s, s, floor[..., None], hit)
 
 
 def outside(s_chosen: Array, floor: Array) -> Array:

@@ -349,11 +349,14 @@ def pieces(hidden: Array, w: Array, fmt: HeadFormat, options: LmHeadPallasOption
         x = x.reshape(n, *x.shape[2:])
         return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1), constant_values=fill)
 
+    # under a truncation the xla head's statistics pass, which finds each row's floor
+    truncated_stats = None if trunc is None else head_xla.pieces(
+        hidden, w, fmt, None, temperature, fmt.vocab(w), None, trunc=trunc)[0]
+
     def stats(primals, ids):
+        if truncated_stats is not None:
+            return truncated_stats(primals, ids)
         hidden, w, bias = primals
-        if trunc is not None:
-            return head_xla.pieces(hidden, w, fmt, None, temperature, fmt.vocab(w), None,
-                                   trunc=trunc)[0](primals, ids)
         out = head_statistics(rows(hidden.astype(compute)), oriented(w.astype(compute)), bias,
                               rows(ids), **static)
         return tuple(x[:n].reshape(b, t) for x in out)

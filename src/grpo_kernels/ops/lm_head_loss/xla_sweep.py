@@ -20,7 +20,7 @@ from grpo_kernels.ops.core.dtypes import cast_to
 from grpo_kernels.objective import RowGrad
 from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stats, sweep
 from grpo_kernels.ops.core.online_softmax import soft_cap, softmax_grad, with_cap_grad
-from grpo_kernels.ops.core.truncation import (Truncation, keep_mask, listed_stats, outside,
+from grpo_kernels.ops.core.truncation import (Truncation, drop_outside, listed_stats, outside,
                                               support_floor, truncate)
 from grpo_kernels.ops.lm_head_loss.head import delta_dtype, matmul
 
@@ -194,7 +194,7 @@ def logits_delta(s: Array, ids: Array, row: RowGrad, lse: Array, head: Head,
     r = row.map(lambda x: x[:, None])
     u = s - lse[:, None]
     if floor is not None:
-        u = jnp.where(keep_mask(s, floor, hit), u, -jnp.inf)
+        u = drop_outside(u, s, floor[:, None], hit)
     d = softmax_grad(u, hit, r.g, r.h, r.entropy)
     d = with_cap_grad(d, s * temperature, head.softcap)
     return cast_to(d, delta_dtype(head.logits_dtype, head.w.dtype))

@@ -49,7 +49,7 @@ from grpo_kernels.ops.core.online_softmax import block_stats, finish, merge_stat
 from grpo_kernels.ops.core.online_softmax import soft_cap, softmax_grad, with_cap_grad
 from grpo_kernels.ops.core.options import check_int
 from grpo_kernels.ops.core.platform import by_platform
-from grpo_kernels.ops.core.truncation import (Truncation, config_truncation, keep_mask,
+from grpo_kernels.ops.core.truncation import (Truncation, config_truncation, drop_outside,
                                               listed_stats, outside, outside_count,
                                               support_floor, truncate)
 from grpo_kernels.ops.core.vjp import loss_with_gradient
@@ -290,7 +290,7 @@ def logits_gradient(z: Array, ids: Array, lse: Array, grad: RowGrad,
     u = capped / temperature - lse[..., None]
     hit = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) == ids[..., None]
     if floor is not None:
-        u = jnp.where(keep_mask(capped / temperature, floor, hit), u, -jnp.inf)
+        u = drop_outside(u, capped / temperature, floor[..., None], hit)
     d = with_cap_grad(softmax_grad(u, hit, row.g, row.h, row.entropy), capped, softcap)
     return cast_to(d, z.dtype)
 
