@@ -10,18 +10,35 @@ from grpo_kernels.ops.logits_loss.inputs import random_inputs
 
 B, T, V = 4, 6, 64            # logits op: 16 columns per device at tp=4
 # LM-head op (B as above): T = 8 divides by tp=4, so the xla head runs sequence-parallel across
-# the processes (hidden split over T); T = 5 keeps hidden whole. Cases alternate.
+# the processes (hidden split over T); T = 5 keeps hidden whole (which, :func:`factors`).
 HTS, HH, HV = (8, 5), 32, 256
 
-# Every loss type at token and sequence level (VESPO with the token-level sampler correction it
-# needs, CISPO with a cap that acts), beta on for half of them.
+# Each loss type once (VESPO with the token-level sampler correction it needs, CISPO with a
+# cap that acts). The other factors of a case follow the bits a, b, d of its index: a
+# fractional factorial of 8 runs in which every pair of levels of any two factors occurs
+# twice. The level is a; the mesh's axis types b (Explicit when set, the logits then split
+# over the batch only); the head's H split over dp too (FSDP weights) d; beta a ^ b; the
+# head's T (8: divides by tp = 4, the xla head runs sequence-parallel across the processes;
+# 5 keeps the hidden states whole) a ^ d. What crossing processes adds is the collectives,
+# and those follow the level, the mesh and the head's split, not the loss type (each loss
+# type's own terms are per row; tests/sharding/test_sharding.py meets the classic loss types
+# with both levels and every mesh in one process).
+LOSS_TYPES = (*CLASSIC_LOSS_TYPES, "cispo", "sapo", "vespo", "luspo")
 _EXTRA = {"cispo": {"epsilon_high": 1.05}, "vespo": {
     "sampler_correction": "token_truncate", "sampler_correction_max": 1.05}}
-CASES = [dict(loss_type=lt, importance_sampling_level=level, beta=(0.0, 0.04)[i % 2],
-              max_completion_length=T + 2, **_EXTRA.get(lt, {}))
-         for i, (lt, level) in enumerate(
-             (lt, level) for lt in (*CLASSIC_LOSS_TYPES, "cispo", "sapo", "vespo", "luspo")
-             for level in ("token", "sequence"))]
+
+
+def factors(i: int) -> dict:
+    """Case ``i``'s mesh factors: ``explicit`` (the mesh's axis types), ``fsdp`` (the head's
+    H over dp too) and ``head_time`` (the head's T)."""
+    a, b, d = i & 1, i >> 1 & 1, i >> 2 & 1
+    return {"explicit": bool(b), "fsdp": bool(d), "head_time": HTS[a ^ d]}
+
+
+CASES = [dict(loss_type=lt, importance_sampling_level=("token", "sequence")[i & 1],
+              beta=(0.0, 0.04)[(i & 1) ^ (i >> 1 & 1)], max_completion_length=T + 2,
+              **_EXTRA.get(lt, {}))
+         for i, lt in enumerate(LOSS_TYPES)]
 
 
 def logits_inputs(i, cfg):
@@ -29,7 +46,7 @@ def logits_inputs(i, cfg):
 
 
 def head_inputs(i, cfg):
-    return random_head_inputs(200 + i, B, HTS[i % 2], HH, HV, jnp.float32, cfg)
+    return random_head_inputs(200 + i, B, factors(i)["head_time"], HH, HV, jnp.float32, cfg)
 
 
 # The trainer case: one update of the test trainer's small random model on a fixed batch of

@@ -46,6 +46,7 @@ from grpo_kernels.sharding import (  # noqa: E402
 )
 from tests.sharding.multiprocess_cases import (  # noqa: E402
     CASES,
+    factors,
     head_inputs,
     logits_inputs,
     trainer_updates,
@@ -58,7 +59,7 @@ assert all(len({d.process_index for d in row}) == num_processes for row in devic
 MESHES = (Mesh(devices, ("dp", "tp")),
           Mesh(devices, ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2))
 spec = ShardingSpec(("dp",), "tp")
-# The head's H split over dp too (FSDP weights), every other pair of cases: its blocks are
+# The head's H split over dp too (FSDP weights) in half the cases (factors): its blocks are
 # gathered, and its gradient reduce-scattered, across the processes.
 fsdp_spec = ShardingSpec(("dp",), "tp", ("dp",))
 
@@ -82,7 +83,8 @@ def scalar(x):
 
 results = {}
 for i, cfg_kwargs in enumerate(CASES):
-    mesh = MESHES[i % 2]
+    f = factors(i)
+    mesh = MESHES[f["explicit"]]
     cfg = GRPOLossConfig(**cfg_kwargs)
     inp = logits_inputs(i, cfg)
     batch = dict(ids=put(inp.ids, "dp"), mask=put(inp.mask, "dp"),
@@ -95,7 +97,7 @@ for i, cfg_kwargs in enumerate(CASES):
 
     # on the Explicit mesh, the logits split over the batch only: the op moves them itself
     loss, grad = jax.jit(jax.value_and_grad(logits_loss))(
-        put(inp.logits, "dp", None, None if i % 2 else "tp"))
+        put(inp.logits, "dp", None, None if f["explicit"] else "tp"))
     results[f"logits_{i}_loss"], results[f"logits_{i}_grad"] = scalar(loss), gather(grad)
 
     hin = head_inputs(i, cfg)
@@ -103,7 +105,7 @@ for i, cfg_kwargs in enumerate(CASES):
                   advantages=put(hin.advantages, "dp"))
     hkwargs = {k: put(v, "dp") for k, v in hin.kwargs().items()}
 
-    hspec = fsdp_spec if i % 4 >= 2 else spec
+    hspec = fsdp_spec if f["fsdp"] else spec
 
     def head_loss(h, w, batch=hbatch, kwargs=hkwargs, cfg=cfg, hspec=hspec):
         return sharded_grpo_loss_from_hidden(

@@ -356,9 +356,10 @@ def test_gpu_gradient_kernel_traces_exp_before_the_row_scalars():
 
 
 # The one-pass TPU kernel (token-separable configs; the grids above run it wherever the TPU
-# kernel meets a token-level config): odd shapes, with leftover rows, ragged vocabulary tiles
-# and a row block that holds the whole batch.
-ONE_PASS_SHAPES = [s for s in SHAPES if s[2] <= 1000]
+# kernel meets a token-level config): odd shapes, each of a row block that holds the whole
+# batch and one with leftover rows (16-row blocks) meeting each of a vocabulary under one
+# tile and a ragged last tile (128 columns), in both dtypes.
+ONE_PASS_SHAPES = [(1, 1, 17), (8, 1, 1000), (3, 7, 1000), (8, 7, 17)]
 
 
 @pytest.mark.parametrize("b,t,v", ONE_PASS_SHAPES)
