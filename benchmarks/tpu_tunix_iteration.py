@@ -17,13 +17,14 @@ passes of an iteration:
 The model is a tunix ``Qwen3`` with the real head of Qwen3-1.7B (tied to the embedding,
 H = 2,048) or Qwen3-8B (untied, H = 4,096), V = 151,936, bf16, and no decoder layers, so the
 plan is the loss's and the head's; one sequence of ``--prompt`` + ``--time`` tokens. Each row:
-the compile's planned temporaries (``memory_analysis()``), and the compiler's cost analysis
-(flops, bytes accessed) with the roofline time they give at the generation's published peak
-figures (:data:`PEAKS`). XLA's cost analysis counts a loop's body once, whatever its trip
-count, so these are the whole program's only where it has no loop (tunix unchunked; ours where
-T fits one chunk): compare roofline times across arms only there. The last row of each
-(generation, head, T, pass) is a summary: ours over tunix's default and over its best chunk
-setting among those above 0 (the lowest temporaries), in temporaries. Nothing runs on a TPU.
+the compile's planned temporaries (``memory_analysis()``); the flops and HBM bytes of the
+optimized program with every loop counted as often as it runs (``hlo_cost.loop_costs``; XLA's
+``cost_analysis()``, which counts a loop's body once, beside them as ``xla_flops`` /
+``xla_bytes``), and the roofline time they give at the generation's published peak figures
+(:data:`PEAKS`). The last row of each (generation, head, T, pass) is a summary: ours over
+tunix's default and over its best chunk setting among those above 0 (the lowest
+temporaries), in temporaries and in roofline time. ``--ours-chunk-bytes`` takes a list: one
+arm of ours per budget (``ours-cbN``), for choosing a default. Nothing runs on a TPU.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hlo_cost import loop_costs  # noqa: E402
 from tpu_compile import (PAD, EOS, _list, _spec, emit, topology, tunix_update,  # noqa: E402
                          use_libtpu)
 
@@ -84,32 +86,41 @@ def ours_options(chunk_bytes: int | None, dweight: str | None):
 
 
 def program(pass_: str, arm: str, model, device, prompt: int, time: int, options=None):
-    """``(jitted step, abstract args)`` of ``arm`` (``tunix-chunkN`` or ``ours``; ours on the
-    ``xla`` head with ``options`` where given); the update is
+    """``(jitted step, abstract args)`` of ``arm``: ``tunix-chunkN``, ours (``ours``,
+    ``ours-cbN``; on the ``xla`` head with ``options`` where given), or ``no-head``, the model
+    without its head (the update of a loss of the completion's hidden states alone, the
+    forward pass to them: ``proof.gpu_tunix_step``'s floor under every loss); the update is
     :func:`tpu_compile.tunix_update`'s program, on one row."""
     from flax import nnx
     from tunix.rl import algo_core, common
 
     from grpo_kernels.integrations import tunix as ours
-    chunk = int(arm.removeprefix("tunix-chunk")) if arm != "ours" else 0
+    from grpo_kernels.proof import gpu_tunix_step
+    tunix = arm.startswith("tunix-chunk")
+    chunk = int(arm.removeprefix("tunix-chunk")) if tunix else 0
     given = {} if options is None else {"impl": "xla", "options": options}
     if pass_ == "update":
-        fn = (functools.partial(algo_core.grpo_loss_fn, compute_logps_chunk_size=chunk)
-              if arm != "ours" else functools.partial(ours.fused_policy_loss, **given))
+        fn = (functools.partial(algo_core.grpo_loss_fn, compute_logps_chunk_size=chunk) if tunix
+              else gpu_tunix_step._no_head_loss if arm == "no-head"
+              else functools.partial(ours.fused_policy_loss, **given))
         return tunix_update(fn, device, model, 1, prompt, time)
     sh = SingleDeviceSharding(device)
     graphdef, state = nnx.split(model)
     state = jax.tree.map(lambda x: _spec(x.shape, x.dtype, sh), state)
-    fn = (functools.partial(common.compute_per_token_logps, chunk_size=chunk)
-          if arm != "ours" else ours.log_probs_function(**given))
-    return jax.jit(lambda st, p, c: fn(graphdef, st, p, c, PAD, EOS)), (
-        state, _spec((1, prompt), jnp.int32, sh), _spec((1, time), jnp.int32, sh))
+    if arm == "no-head":
+        step = jax.jit(lambda st, p, c: gpu_tunix_step._completion_hidden(
+            nnx.merge(graphdef, st), p, c))
+    else:
+        fn = (functools.partial(common.compute_per_token_logps, chunk_size=chunk) if tunix
+              else ours.log_probs_function(**given))
+        step = jax.jit(lambda st, p, c: fn(graphdef, st, p, c, PAD, EOS))
+    return step, (state, _spec((1, prompt), jnp.int32, sh), _spec((1, time), jnp.int32, sh))
 
 
 def compile_row(step, args, generation: str) -> dict:
-    """``step`` compiled at ``args``: its planned memory (``memory_analysis()``), the
-    compiler's flops and bytes accessed (``cost_analysis()``) and their roofline time, or the
-    compile error's first line."""
+    """``step`` compiled at ``args``: its planned memory (``memory_analysis()``), its flops and
+    bytes with loops counted (:func:`hlo_cost.loop_costs`) and their roofline time, XLA's own
+    ``cost_analysis()`` figures, or the compile error's first line."""
     t0 = time.perf_counter()
     try:
         compiled = step.lower(*args).compile()
@@ -117,17 +128,23 @@ def compile_row(step, args, generation: str) -> dict:
         return {"ok": False, "error": str(e).strip().splitlines()[0][:300]}
     mem, c = compiled.memory_analysis(), compiled.cost_analysis()
     c = (c[0] if isinstance(c, (list, tuple)) else c) or {}
-    flops, nbytes = c.get("flops"), c.get("bytes accessed")
-    roof = roofline_s(flops, nbytes, generation)
+    counted = loop_costs(compiled.as_text())
+    roof = roofline_s(counted.flops, counted.bytes_accessed, generation)
     return {"ok": True, "compile_s": round(time.perf_counter() - t0, 2),
             "argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
-            "temp_bytes": mem.temp_size_in_bytes, "flops": flops, "bytes_accessed": nbytes,
+            "temp_bytes": mem.temp_size_in_bytes, "flops": counted.flops,
+            "bytes_accessed": counted.bytes_accessed, "loops_not_counted": counted.unknown_loops,
+            "xla_flops": c.get("flops"), "xla_bytes": c.get("bytes accessed"),
             "roofline_ms": None if roof is None else 1e3 * roof}
 
 
 def rows(args: argparse.Namespace):
     """One row per (generation, head, T, pass, arm), then each group's summary."""
-    arms = [f"tunix-chunk{c}" for c in args.chunks] + ["ours"]
+    budgets = args.ours_chunk_bytes or [None]
+    ours_arms = {("ours" if b is None or len(budgets) == 1 else f"ours-cb{b}"): b
+                 for b in budgets}
+    arms = [f"tunix-chunk{c}" for c in args.chunks] + list(ours_arms) + (
+        ["no-head"] if args.floor else [])
     models = {head: head_model(head) for head in args.heads}
     for gen, head, t, pass_ in itertools.product(args.generations, args.heads, args.time,
                                                  args.passes):
@@ -135,7 +152,7 @@ def rows(args: argparse.Namespace):
         group = {}
         for arm in arms:
             step, a = program(pass_, arm, models[head], devices[0], args.prompt, t,
-                              ours_options(args.ours_chunk_bytes, args.ours_dweight))
+                              ours_options(ours_arms.get(arm), args.ours_dweight))
             row = {"op": "tunix-iteration", "generation": gen, "head": head, "time": t,
                    "prompt": args.prompt, "pass": pass_, "arm": arm,
                    **compile_row(step, a, gen)}
@@ -146,17 +163,26 @@ def rows(args: argparse.Namespace):
 
 
 def summary(gen: str, head: str, t: int, pass_: str, group: dict) -> dict:
-    """Ours over tunix's default (chunk 0) and over its best chunked setting (the lowest
-    temporaries among chunks above 0), in planned temporaries."""
-    ours, default = group.get("ours"), group.get("tunix-chunk0")
+    """Each of ours over tunix's default (chunk 0) and over its best chunked setting (the
+    lowest temporaries among chunks above 0): temporaries and roofline time."""
+    default = group.get("tunix-chunk0")
     chunked = {a: r for a, r in group.items()
                if a.startswith("tunix-chunk") and a != "tunix-chunk0"}
     best = min(chunked, key=lambda a: chunked[a]["temp_bytes"]) if chunked else None
+    ours = {a: r for a, r in group.items() if a.startswith("ours")}
     out = {"op": "tunix-iteration-summary", "generation": gen, "head": head, "time": t,
-           "pass": pass_, "ok": ours is not None, "best_chunk": best}
-    for name, base in (("default", default), ("best", chunked.get(best))):
-        if ours is not None and base is not None:
-            out[f"temp_over_{name}"] = ours["temp_bytes"] / max(base["temp_bytes"], 1)
+           "pass": pass_, "ok": bool(ours), "best_chunk": best}
+    if "no-head" in group and best is not None:  # what tunix's best plans above the floor
+        out["best_over_floor"] = chunked[best]["temp_bytes"] / max(
+            group["no-head"]["temp_bytes"], 1)
+    for arm, row in ours.items():
+        tag = "" if arm == "ours" else f"_{arm}"
+        for name, base in (("default", default), ("best", chunked.get(best))):
+            if base is None:
+                continue
+            out[f"temp_over_{name}{tag}"] = row["temp_bytes"] / max(base["temp_bytes"], 1)
+            if row.get("roofline_ms") and base.get("roofline_ms"):
+                out[f"roofline_over_{name}{tag}"] = row["roofline_ms"] / base["roofline_ms"]
     return out
 
 
@@ -175,13 +201,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="update, logps or both (default: both)")
     p.add_argument("--generations", type=_list(PEAKS), default=list(PEAKS),
                    help=f"comma-separated of {','.join(PEAKS)} (default: both)")
-    p.add_argument("--ours-chunk-bytes", type=int, default=None, metavar="N",
-                   help="ours on the xla head with LmHeadBlockSizes(chunk_bytes=N) (default: "
-                   "ours with no options)")
+    p.add_argument("--ours-chunk-bytes", type=_list(kind=int), default=None, metavar="N[,N...]",
+                   help="ours on the xla head with LmHeadBlockSizes(chunk_bytes=N), one arm "
+                   "per N (default: ours with no options)")
     p.add_argument("--ours-dweight", choices=("tokens", "vocab"), default=None,
                    help="ours on the xla head with this LmHeadBlockSizes.dweight (default: "
                    "ours with no options; with --ours-chunk-bytes alone: vocab, the "
                    "adapter's choice)")
+    p.add_argument("--floor", action="store_true",
+                   help="also the model without its head (arm no-head): the floor under both")
     p.add_argument("--libtpu", default=None, help="libtpu.so (default: $TPU_LIBRARY_PATH, "
                    "then .venv/libtpu)")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
@@ -190,7 +218,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--prompt and --time must be at least 1")
     if any(c < 0 for c in args.chunks):
         p.error(f"--chunks must be non-negative, got {args.chunks}")
-    if args.ours_chunk_bytes is not None and args.ours_chunk_bytes < 1:
+    if args.ours_chunk_bytes is not None and min(args.ours_chunk_bytes) < 1:
         p.error(f"--ours-chunk-bytes must be at least 1, got {args.ours_chunk_bytes}")
     return args
 

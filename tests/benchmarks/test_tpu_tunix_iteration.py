@@ -39,11 +39,22 @@ def test_ours_options_are_the_xla_heads_or_none():
 
 
 def test_summary_compares_with_the_default_and_the_lowest_chunked_plan():
-    group = {"tunix-chunk0": {"temp_bytes": 1000}, "tunix-chunk128": {"temp_bytes": 300},
-             "tunix-chunk256": {"temp_bytes": 200}, "ours": {"temp_bytes": 50}}
+    group = {"tunix-chunk0": {"temp_bytes": 1000, "roofline_ms": 2.0},
+             "tunix-chunk128": {"temp_bytes": 300, "roofline_ms": 8.0},
+             "tunix-chunk256": {"temp_bytes": 200, "roofline_ms": 4.0},
+             "ours": {"temp_bytes": 50, "roofline_ms": 1.0},
+             "no-head": {"temp_bytes": 40, "roofline_ms": 0.1}}
     s = tti.summary("v6e", "qwen3-8b", 8192, "update", group)
     assert s["best_chunk"] == "tunix-chunk256" and s["ok"]
     assert s["temp_over_default"] == 0.05 and s["temp_over_best"] == 0.25
+    assert s["roofline_over_default"] == 0.5 and s["roofline_over_best"] == 0.25
+    assert s["best_over_floor"] == 5.0
+    # one entry per budget where several of ours ran
+    group = {"tunix-chunk128": {"temp_bytes": 300}, "ours-cb64": {"temp_bytes": 30},
+             "ours-cb128": {"temp_bytes": 60}}
+    s = tti.summary("v5e", "qwen3-1.7b", 8192, "logps", group)
+    assert s["temp_over_best_ours-cb64"] == 0.1 and s["temp_over_best_ours-cb128"] == 0.2
+    assert "roofline_over_best_ours-cb64" not in s and "best_over_floor" not in s
 
 
 @pytest.mark.parametrize("argv, message", [

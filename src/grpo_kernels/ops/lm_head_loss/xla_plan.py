@@ -44,8 +44,11 @@ DWEIGHT_MODES: tuple[str, ...] = ("tokens", "vocab")
 # Byte budget of one chunk's [c, V] float32 logits. CPU and GPU: the measured choices of
 # docs/lm_head.md and docs/benchmarks.md. On GPU, 1 GiB rounded down to a power of two (1,024
 # rows at V = 151,936): against 2,048 rows, a training step's peak 0.91x for 1.04x its time
-# on an H100, which brings the step under half the materialised reference's peak. TPU: not
-# measured.
+# on an H100, which brings the step under half the materialised reference's peak. TPU (compile
+# plans on a v6e, no TPU run): of 32 MiB to 1 GiB, 1 GiB has the lowest roofline time for a
+# tunix iteration at 8,192 tokens (each halving re-reads the head twice as often: 1.4-1.9x
+# the time at 512 MiB, 2.3-2.9x at 256 MiB), for 1.1-3.9x the temporaries of 256 MiB;
+# docs/integrations/tunix.md has the table.
 DEFAULT_CHUNK_BYTES = {"cpu": 32 << 20, "gpu": 1 << 30, "tpu": 1 << 30}
 # Backends whose planned rows are rounded down to a power of two, so that power-of-two token
 # counts split into equal chunks with no separately compiled tail.
