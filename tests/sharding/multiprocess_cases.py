@@ -10,7 +10,7 @@ from grpo_kernels.ops.logits_loss.inputs import random_inputs
 
 B, T, V = 4, 6, 64            # logits op: 16 columns per device at tp=4
 # LM-head op (B as above): T = 8 divides by tp=4, so the xla head runs sequence-parallel across
-# the processes (hidden split over T); T = 5 keeps hidden whole (which, :func:`factors`).
+# the processes (hidden split over T); T = 5 keeps hidden whole (which one: :func:`factors`).
 HTS, HH, HV = (8, 5), 32, 256
 
 # Each loss type once (VESPO with the token-level sampler correction it needs, CISPO with a
@@ -29,15 +29,16 @@ _EXTRA = {"cispo": {"epsilon_high": 1.05}, "vespo": {
 
 
 def factors(i: int) -> dict:
-    """Case ``i``'s mesh factors: ``explicit`` (the mesh's axis types), ``fsdp`` (the head's
-    H over dp too) and ``head_time`` (the head's T)."""
+    """Case ``i``'s factors from the bits a, b, d of ``i``: ``level`` (a), ``beta`` (a ^ b),
+    ``explicit`` (the mesh's axis types, b), ``fsdp`` (the head's H over dp too, d) and
+    ``head_time`` (the head's T, a ^ d)."""
     a, b, d = i & 1, i >> 1 & 1, i >> 2 & 1
-    return {"explicit": bool(b), "fsdp": bool(d), "head_time": HTS[a ^ d]}
+    return {"level": ("token", "sequence")[a], "beta": (0.0, 0.04)[a ^ b],
+            "explicit": bool(b), "fsdp": bool(d), "head_time": HTS[a ^ d]}
 
 
-CASES = [dict(loss_type=lt, importance_sampling_level=("token", "sequence")[i & 1],
-              beta=(0.0, 0.04)[(i & 1) ^ (i >> 1 & 1)], max_completion_length=T + 2,
-              **_EXTRA.get(lt, {}))
+CASES = [dict(loss_type=lt, importance_sampling_level=factors(i)["level"],
+              beta=factors(i)["beta"], max_completion_length=T + 2, **_EXTRA.get(lt, {}))
          for i, lt in enumerate(LOSS_TYPES)]
 
 
