@@ -92,9 +92,40 @@ def pytest_runtest_logreport(report):
     _USED_S[_folder(report.nodeid)] += report.duration
 
 
+def cpu_probe_s() -> float:
+    """Seconds this machine takes to compile three fixed programs, with no cache.
+
+    Compiling is most of the suite's time, and one 2-core machine's speed moves by 15% within
+    an afternoon (tests/README.md), so a run's wall time is comparable with another's only
+    beside this figure. It runs after the tests, when the workers have stopped.
+    """
+    import time
+
+    import jax.numpy as jnp
+
+    def program(x):
+        def body(carry, row):
+            s = jnp.tanh(row @ x.T) + carry
+            return s, jax.nn.logsumexp(s, axis=-1)
+        return jax.lax.scan(body, jnp.zeros((x.shape[0], x.shape[0])), x[None].repeat(4, 0))
+
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        start = time.perf_counter()
+        for n in (24, 40, 56):
+            jax.jit(jax.grad(lambda x: program(x)[1].sum())).lower(
+                jax.ShapeDtypeStruct((n, n), jnp.float32)).compile()
+        return time.perf_counter() - start
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not _USED_S or hasattr(config, "workerinput"):
         return
+    terminalreporter.write_line(f"cpu probe (tests/conftest.py::cpu_probe_s): "
+                                f"{cpu_probe_s():.2f} s")
     terminalreporter.section("test time per folder (s, all workers) / budget (tests/conftest.py)")
     for folder, used in sorted(_USED_S.items(), key=lambda kv: -kv[1]):
         budget = BUDGET_S[folder]
