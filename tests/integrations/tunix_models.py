@@ -112,8 +112,8 @@ def loss_and_grads(loss_fn, model, example, algo_config, jit: bool = True, **kwa
 TOL = 1e-5
 
 
-def _close(got, want, err_msg):
-    np.testing.assert_allclose(float(got), float(want), rtol=TOL, atol=1e-6, err_msg=err_msg)
+def _close(got, want, err_msg, atol: float = 1e-6):
+    np.testing.assert_allclose(float(got), float(want), rtol=TOL, atol=atol, err_msg=err_msg)
 
 
 def _weighted(got, want, name):
@@ -125,8 +125,7 @@ def _weighted(got, want, name):
     # head on the tiny qwen2 where other machines read within 1e-6), so the bound is a few
     # float32 ulps per token, not a fixed 1e-6.
     atol = max(1e-6, 4 * float(np.finfo(np.float32).eps) * abs(float(want.denominator)))
-    np.testing.assert_allclose(float(got.unreduced_sum), float(want.unreduced_sum), rtol=TOL,
-                               atol=atol, err_msg=f"{name}: sum")
+    _close(got.unreduced_sum, want.unreduced_sum, f"{name}: sum", atol=atol)
     _close(got.denominator, want.denominator, f"{name}: denominator")
     assert (got.eps, got.min_denom) == (want.eps, want.min_denom), name
 
