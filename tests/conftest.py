@@ -5,7 +5,9 @@ backend optimisation level 0 compiles the same HLO about 35% faster here and lea
 the tests read: the float operations and their order (XLA's HLO fixes them; the level changes at
 most whether a multiply and an add fuse, one rounding) and the HLO passes (fusion, buffer
 assignment) behind the memory and lowering tests. It must be in XLA_FLAGS before a JAX backend
-starts; subprocesses the tests spawn inherit it. A level the caller set wins.
+starts; subprocesses the tests spawn inherit it. A level the caller set wins. Where a run
+leaves out the tests marked ``default_emitters``, XLA:CPU's legacy emitters compile the rest
+(:data:`FAST_EMITTERS` says why that is safe for them, and not for the marked ones).
 
 Many tests compile the same program (one loss at one shape, under another test's name, in
 another worker, or in a subprocess of the proof's dry runs), so every run shares JAX's
@@ -18,7 +20,9 @@ run compiles from nothing as CI does. A ``JAX_COMPILATION_CACHE_DIR`` the caller
 
 import collections
 import os
+import re
 import shutil
+import sys
 import tempfile
 
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
@@ -60,6 +64,74 @@ def pytest_addoption(parser):
     parser.addoption("--mesh-grid", choices=("full", "pairwise"), default="pairwise",
                      help="tests/sharding/test_sharding.py::test_equals_one_device's grid: "
                      "every pair of levels of its factors (default) or every combination (full)")
+
+
+# XLA:CPU's fusion emitters (its default code generator) are about a quarter of the suite's
+# compile time. Most tests check math, which the legacy emitters compile from the same HLO
+# operations in the same order; but the fusion pass differs with the emitters (single operations
+# left unfused, a bitcast and a copy for a fused convert), so the buffer assignment, the
+# optimised HLO and its cost do too. A test that reads one of those (memory_analysis, the
+# optimised HLO, its cost analysis), in its process or in one it starts, or whose exact ties
+# depend on XLA:CPU's rounding, is marked ``default_emitters``. `make test` runs each folder
+# set twice: ``-m "not default_emitters"`` on the legacy emitters, then ``-m default_emitters``
+# on the default; any run that selects a marked test keeps the default for all its tests.
+FAST_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+_PLAN_READS = ("memory_analysis", "as_text", "cost_analysis")
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_READERS = tuple(os.path.join(_REPO, d) + os.sep for d in ("tests", "benchmarks"))
+
+
+def leaves_out_default_emitters(markexpr: str) -> bool:
+    """Whether ``-m markexpr`` selects no ``default_emitters`` test: ``not default_emitters``,
+    alone or first in a conjunction (``not default_emitters and not slow``)."""
+    return re.fullmatch(r"\s*not\s+default_emitters\s*(and\s.*)?", markexpr or "") is not None
+
+
+def _refuse_plan_reads() -> None:
+    """Fail a test's (or a benchmark's) read of a compiled program's plan in a process on the
+    legacy emitters, whose plans are not the ones users get. The library's own reads (the
+    trainer's and the bench command's reports) go on: a test that asserts on those is marked
+    by hand."""
+    from jax.stages import Compiled
+
+    def guarded(name):
+        read = getattr(Compiled, name)
+
+        def method(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(_READERS):
+                raise AssertionError(
+                    f"{caller} reads Compiled.{name}() in a run on {FAST_EMITTERS}: mark the "
+                    "test default_emitters (tests/conftest.py)")
+            return read(self, *args, **kwargs)
+        return method
+
+    for name in _PLAN_READS:
+        setattr(Compiled, name, guarded(name))
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "default_emitters: reads an XLA:CPU compile plan (memory, optimised HLO, "
+        "cost) or an exact tie, so it runs on XLA:CPU's default emitters (tests/conftest.py)")
+    if not leaves_out_default_emitters(config.getoption("markexpr", "")):
+        return
+    if FAST_EMITTERS not in os.environ["XLA_FLAGS"]:
+        if not _xla_takes(FAST_EMITTERS):
+            return
+        # Before any backend starts (collection comes later); xdist's workers inherit it.
+        os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {FAST_EMITTERS}"
+    _refuse_plan_reads()
+
+
+def _xla_takes(flag: str) -> bool:
+    """Whether this jaxlib's XLA starts with ``flag`` (jaxlib 0.12 has no legacy CPU emitters,
+    and XLA aborts on a flag it does not know), asked of a child process."""
+    import subprocess
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ['XLA_FLAGS']} {flag}", JAX_PLATFORMS="cpu")
+    probe = "import jax.numpy as jnp; jnp.zeros(1).block_until_ready()"
+    return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                          timeout=120).returncode == 0
 
 
 def pytest_unconfigure(config):
@@ -124,8 +196,9 @@ def cpu_probe_s() -> float:
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not _USED_S or hasattr(config, "workerinput"):
         return
-    terminalreporter.write_line(f"cpu probe (tests/conftest.py::cpu_probe_s): "
-                                f"{cpu_probe_s():.2f} s")
+    emitters = "legacy" if FAST_EMITTERS in os.environ["XLA_FLAGS"] else "default"
+    terminalreporter.write_line(f"cpu probe (tests/conftest.py::cpu_probe_s, {emitters} "
+                                f"emitters): {cpu_probe_s():.2f} s")
     terminalreporter.section("test time per folder (s, all workers) / budget (tests/conftest.py)")
     for folder, used in sorted(_USED_S.items(), key=lambda kv: -kv[1]):
         budget = BUDGET_S[folder]

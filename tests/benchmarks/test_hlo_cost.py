@@ -31,6 +31,7 @@ def _xla(compiled) -> dict:
     return c[0] if isinstance(c, (list, tuple)) else c
 
 
+@pytest.mark.default_emitters
 def test_a_scans_body_counts_once_per_trip():
     compiled = _compiled(_scan, (H, V), (N * ROWS, H))
     text = compiled.as_text()
@@ -44,6 +45,7 @@ def test_a_scans_body_counts_once_per_trip():
     assert counted.bytes_accessed >= N * 4 * H * V > once.bytes_accessed
 
 
+@pytest.mark.default_emitters
 def test_a_program_without_loops_agrees_with_xla():
     compiled = _compiled(lambda w, x: jnp.sum(jnp.tanh(x @ w), axis=0), (H, V), (ROWS, H))
     mine, xla = hlo_cost.loop_costs(compiled.as_text()), _xla(compiled)
@@ -81,6 +83,7 @@ ENTRY %main (x: (s32[], f32[])) -> (s32[], f32[]) {
     assert costs.flops == 2 * 8 * 16 * 4 and costs.unknown_loops == ["w"]
 
 
+@pytest.mark.default_emitters
 def test_in_place_updates_and_slices_count_what_they_touch():
     def fn(buf, x):
         part = jax.lax.dynamic_slice_in_dim(buf, 8, 4, axis=0) * 2.0

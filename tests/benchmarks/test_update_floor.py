@@ -17,6 +17,7 @@ import update_floor  # noqa: E402
 ARGV = ["--model", "tiny", "--rows", "2", "--prompt", "3", "--completion", "4"]
 
 
+@pytest.mark.default_emitters
 def test_the_floor_bounds_every_head_trains_the_layers_and_forms_no_logits(tmp_path, capsys):
     out = tmp_path / "rows.jsonl"
     assert update_floor.main([*ARGV, "--iters", "1", "--out", str(out)]) == 0

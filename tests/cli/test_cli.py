@@ -96,6 +96,7 @@ def test_missing_config_and_bad_flags(capsys):
     assert "--impl must be a comma list" in capsys.readouterr().err
 
 
+@pytest.mark.default_emitters
 def test_bench_reports_time_memory_and_ratios(capsys):
     code, recs = run_json(capsys, ["bench", "--format", "json", "--impl", "xla", "--batch", "2", "--time",
                                    "16", "--vocab", "512", "--iters", "2", "--warmup", "1",
@@ -163,6 +164,7 @@ def test_wandb_offline_without_package_is_a_clear_error(capsys, monkeypatch):
         main(["gradcheck", "--time", "4", "--vocab", "20", "--wandb-mode", "offline"])
 
 
+@pytest.mark.default_emitters
 def test_bench_lm_head_runs_and_gates(capsys):
     from grpo_kernels.cli.main import main
 

@@ -212,6 +212,7 @@ def test_bf16_model_within_rounding(qwen3):
         assert max_rel_err(grads, want[2]) <= 5e-2, fn.__name__
 
 
+@pytest.mark.default_emitters
 def test_fused_update_holds_no_logits_sized_temporaries():
     """Compiled temp bytes of one update (value_and_grad, jit) at V = 16,384: tunix's loss keeps
     float32 [B, T, V] logits and their softmax; the fused loss, in chunks of 32 tokens, stays far
@@ -239,6 +240,7 @@ def test_fused_update_holds_no_logits_sized_temporaries():
     assert fused_bytes < 0.5 * logits_f32, (fused_bytes, tunix_bytes)
 
 
+@pytest.mark.default_emitters
 def test_tied_bf16_update_plans_no_float32_copy_of_the_embedding(monkeypatch):
     """A tied bfloat16 Qwen3, one jitted update: the fused loss's lookup (tied_lookup) adds its
     gradient into the head's; the plain ``table[ids]`` lookup in its place plans a float32

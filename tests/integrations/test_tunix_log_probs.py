@@ -230,6 +230,7 @@ def test_patch_and_unpatch_restore_tunix_function():
     assert common.compute_per_token_logps is TUNIX
 
 
+@pytest.mark.default_emitters
 def test_patched_pass_plans_no_logits():
     """Compile-only, V = 16,384, 4 x (128 + 1,024) tokens, no decoder layers (the head and the
     log-softmax alone, as benchmarks/tunix_memory.py measures them): tunix's pass plans

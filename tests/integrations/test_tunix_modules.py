@@ -155,6 +155,7 @@ def test_logits_from_is_checked():
         ours.register(logits_from="hidden")
 
 
+@pytest.mark.default_emitters
 def test_lora_update_drops_the_models_unused_logits():
     """A qwix-adapted model's hidden states come from its own ``__call__``, which also forms
     every position's float32 logits; under ``jit`` nothing reads them and XLA drops them: one
@@ -200,6 +201,7 @@ def test_a_model_of_tunixs_chunked_protocol_is_read_by_its_head_function():
                           want)
 
 
+@pytest.mark.default_emitters
 def test_head_function_update_holds_no_logits():
     """Compile-only, V = 16,384: one jitted update of the stand-in through its
     ``compute_final_logits`` in chunks of 16 tokens plans less than half of one float32

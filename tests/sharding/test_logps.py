@@ -95,6 +95,7 @@ def test_hidden_logps_equal_one_device(m, impl):
     _same(got, want)
 
 
+@pytest.mark.default_emitters
 def test_explicit_mesh_batch_split_inputs_and_collective_sizes():
     """On a jax.make_mesh mesh (Explicit axes), with hidden states split over the batch only
     and a head split over nothing: the same log-probs, and no collective larger than a chunk

@@ -510,6 +510,7 @@ def test_lm_head_time_not_divisible_keeps_hidden_whole():
     _check(got, want)
 
 
+@pytest.mark.default_emitters
 def test_long_sequence_per_device_temporaries():
     """Long sequences (compile-only; H=4096, V=151,936 bf16, vocab split 8 ways):
     per-device temporaries at T=131,072 within 1% of those at T=8,192, and at most 1.2/8 of
@@ -551,6 +552,7 @@ def test_lm_head_fsdp_weights_equal_one_device(m, head_axes, cfg, layout, bias):
     _check(got, want)
 
 
+@pytest.mark.default_emitters
 def test_fsdp_head_is_gathered_by_blocks():
     """Compile-only, bf16, mesh fsdp 4 x tp 2, H = 1024, V = 32,768: with ``head_axes`` no
     collective moves a quarter of a device's ``[H, V/2]`` shard (without them, the shard is
@@ -585,6 +587,7 @@ def _collective_sizes(compiled):
     return [(c.op, c.elements) for c in collectives(compiled.as_text())]
 
 
+@pytest.mark.default_emitters
 def test_inputs_in_any_layout_and_no_vocab_sized_collective():
     """Inputs arrive sharded another way under jit; no collective of logits size appears."""
     m = MESHES[3]
@@ -614,6 +617,7 @@ def test_inputs_in_any_layout_and_no_vocab_sized_collective():
 
 
 @pytest.mark.parametrize("m", MESHES, ids=mesh_id)
+@pytest.mark.default_emitters
 def test_lm_head_collectives_are_never_logits_sized(m):
     mesh, spec = make(m)
     cfg = CONFIGS[0]
@@ -634,6 +638,7 @@ def test_lm_head_collectives_are_never_logits_sized(m):
     assert not [op for op, _ in sizes if op == "all-gather"], sizes
 
 
+@pytest.mark.default_emitters
 def test_fused_per_device_temp_scales_with_the_vocab_axis():
     """bench --mesh's figure: per-device temp x k <= 1.2 x one device (k = 8, bf16)."""
     cfg = GRPOLossConfig(beta=0.04)

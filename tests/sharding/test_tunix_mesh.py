@@ -88,6 +88,7 @@ def _step(loss_fn, graphdef, state, example, algo, mesh=None):
 
 
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@pytest.mark.default_emitters
 def test_losses_and_log_probs_on_tunix_mesh_equal_one_device(mesh_name, tunix_sharding):
     shape, tied = MESHES[mesh_name]
     mesh = jax.make_mesh(shape, ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)

@@ -245,6 +245,7 @@ def test_dweight_by_vocabulary_slabs_bf16(monkeypatch, layout):
 
 
 @pytest.mark.parametrize("layout", ["hv", "vh"])
+@pytest.mark.default_emitters
 def test_dweight_by_vocabulary_holds_no_accumulator(layout):
     """Planned temporaries against the head's width (N = 512, V = 32768, bf16, H = 512 and
     1024): with dweight="tokens" they grow by the float32 accumulator's 4 bytes per weight;
@@ -360,6 +361,7 @@ def _temp_bytes(impl, n_tokens, vocab=4096, hidden=256, dtype=jnp.float32, beta=
     return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.default_emitters
 def test_temp_memory_is_independent_of_tokens():
     """Planned temporaries: O(chunk x V) (plus O(N H) for dhidden), never O(N V)."""
     small, large = _temp_bytes("xla", 512), _temp_bytes("xla", 4096)
@@ -369,6 +371,7 @@ def test_temp_memory_is_independent_of_tokens():
     assert large <= 0.1 * ref, (large, ref)
 
 
+@pytest.mark.default_emitters
 def test_bf16_temps_at_the_benchmark_shape():
     """The memory gate of the fused head where its benchmark runs (N = 2048, H = 512, V = 32768, bf16,
     planned chunks, metrics kept): temporaries <= 0.10 x the reference's. Compile-only."""

@@ -7,11 +7,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
 from long_sequence import planned_temp  # noqa: E402
 
 
+@pytest.mark.default_emitters
 def test_fused_temporaries_do_not_grow_with_t():
     """Qwen's head (H=4096, V=151,936, bf16): T=8,192 against T=131,072. The temporaries are
     the chunk's logits and the float32 weight-gradient accumulator, independent of T, plus a

@@ -89,6 +89,7 @@ def test_a_table_used_only_for_the_lookup():
         np.asarray(jnp.asarray(want, jnp.float32).astype(jnp.bfloat16), np.float32))
 
 
+@pytest.mark.default_emitters
 def test_bf16_table_gradient_plans_no_float32_copy_of_the_table():
     """Compile-only: autodiff of ``table[ids]`` plans a float32 scatter-add the table's size
     on XLA:CPU; tied_lookup's plan stays near its two slabs plus the ``[N, H]`` sums."""

@@ -78,6 +78,9 @@ def test_an_estimate_from_masked_rows_only_selects_everything_then_corrects(monk
     assert_close("xla", inputs, cfg, options=CHUNKS)
 
 
+# The ties are exact under XLA:CPU's default emitters; on its legacy ones dW is 5e-4 (relative)
+# from the two-pass path's, the loss and dhidden still within 1e-6.
+@pytest.mark.default_emitters
 def test_ties_at_the_quantile_correct_every_selected_token(monkeypatch):
     """Most rows share one hidden state, so their entropies tie at the quantile: the batch
     selects all of them, more than distinct entropies would, so the bonus's denominator

@@ -210,6 +210,7 @@ def test_gradient_scales_with_cotangent(impl):
     np.testing.assert_allclose(as64(g3), -3.0 * as64(g1), rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.default_emitters
 def test_xla_never_holds_a_float32_copy_of_the_logits():
     """Planned temp memory (memory_analysis, compile only) of value_and_grad at the benchmark's
     benchmark shape, bf16 logits [4, 1024, 32768]: xla <= 0.05 x reference."""

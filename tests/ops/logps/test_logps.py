@@ -140,6 +140,7 @@ def test_from_hidden_equals_the_logits_it_would_form(impl, layout, bias, dtypes)
                                as64(logp_r), atol=1e-6)
 
 
+@pytest.mark.default_emitters
 def test_no_logits_sized_temporaries():
     """Compile-only: xla's log-probs from logits hold no float32 copy of them, and from
     hidden states nothing of size [B, T, V] at all."""

@@ -173,6 +173,7 @@ def test_nothing_dropped_is_the_plain_log_prob():
 
 
 @pytest.mark.parametrize("fn", ["logits", "hidden"])
+@pytest.mark.default_emitters
 def test_xla_plans_no_float32_logits(fn):
     """Compiled at Qwen's V = 151,936 (B=1, T=512): top-k 50 with top-p 0.95 on the XLA paths
     plans less than one float32 ``[B, T, V]`` of temporaries."""
