@@ -55,8 +55,8 @@ MULTIDEVICE := XLA_FLAGS="$$XLA_FLAGS --xla_force_host_platform_device_count=8"
 JAX_CACHE_ENV := JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
 # $(call split_run,PYTHON,ARGS): pytest ARGS with two xdist workers, as two runs: the tests that
 # read no XLA:CPU compile plan, on XLA:CPU's legacy emitters (a quarter faster to compile), then
-# those that do (marked default_emitters), on its default emitters (tests/conftest.py says why). A run
-# that selects no test (pytest's exit code 5) is not a failure.
+# those that do (marked default_emitters), on its default emitters (tests/conftest.py says why).
+# A run that selects no test (pytest's exit code 5) is not a failure.
 split_run = { $(1) -m pytest -q -n 2 -m "not default_emitters" $(2) || [ $$? -eq 5 ]; } && \
 	{ $(1) -m pytest -q -n 2 -m default_emitters $(2) || [ $$? -eq 5 ]; }
 test: $(STAMP)
@@ -101,10 +101,10 @@ test-tunix-head: $(STAMP)
 	fi
 
 # The suite's ops, sharding and integration tests on Python 3.12 with the newest jax 0.12
-# (one run each: jaxlib 0.12's XLA:CPU has no legacy emitters to split the tests by)
 # (constraints-py312.txt: jax 0.12.0.1, flax 0.12.12, google-tunix 0.1.7; no torch, whose only
 # Python 3.12 wheel is a CUDA build, so the Liger peer's test is left out), in .venv312. Where
-# no python3.12 is found it says so in one line and runs nothing.
+# no python3.12 is found it says so in one line and runs nothing. One run per folder set, not
+# split_run's two: jaxlib 0.12's XLA:CPU has no legacy emitters to split the tests by.
 # (The first candidate that runs: a pyenv shim answers `command -v` and may still fail.)
 PYTHON312 ?= $(shell for p in $(wildcard /root/.pyenv/versions/3.12*/bin/python3.12) \
 	$$(command -v python3.12); do "$$p" -c "import sys" 2>/dev/null && echo "$$p" && break; \
