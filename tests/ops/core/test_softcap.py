@@ -49,6 +49,9 @@ LOGITS_IMPLS = {
 HEAD_PALLAS = LmHeadPallasOptions(blocks=LmHeadPallasBlockSizes(block_rows=16, block_vocab=128))
 
 
+# The fast implementations run jitted, one program each: op by op, an interpreted Pallas
+# kernel's body dispatches every operation of every grid step from Python (2-3x the time of
+# compiling it here). The reference stays op by op, its primitives shared with the other tests.
 def _capped64(z):
     z = np.asarray(jnp.asarray(z, jnp.float32), np.float64)
     return CAP * np.tanh(z / CAP)
@@ -61,9 +64,10 @@ def test_logits_loss_with_a_cap(cfg):
                      old=inp.old_logps, ref=inp.ref_logps)
 
     def run(impl, options=None):
-        return jax.value_and_grad(lambda z: grpo_loss(
+        step = jax.value_and_grad(lambda z: grpo_loss(
             z, inp.ids, inp.mask, inp.advantages, config=cfg, impl=impl, options=options,
-            logit_softcap=CAP, **inp.kwargs())[0])(inp.logits)
+            logit_softcap=CAP, **inp.kwargs())[0])
+        return (step if impl == "reference" else jax.jit(step))(inp.logits)
 
     ref_loss, ref_grad = run("reference")
     np.testing.assert_allclose(float(ref_loss), want, rtol=1e-5, atol=1e-6)
@@ -86,10 +90,11 @@ def test_fused_loss_with_a_cap(cfg, dweight):
     inp = random_head_inputs(1, 2, 9, 16, 300, jnp.float32, cfg, layout="vh")
 
     def run(impl, options=None):
-        return jax.value_and_grad(lambda h, w: grpo_loss_from_hidden(
+        step = jax.value_and_grad(lambda h, w: grpo_loss_from_hidden(
             h, w, inp.ids, inp.mask, inp.advantages, config=cfg, impl=impl, options=options,
             lm_head_layout="vh", logit_softcap=CAP, old_logps=inp.old_logps,
-            ref_logps=inp.ref_logps)[0], argnums=(0, 1))(inp.hidden, inp.lm_head)
+            ref_logps=inp.ref_logps)[0], argnums=(0, 1))
+        return (step if impl == "reference" else jax.jit(step))(inp.hidden, inp.lm_head)
 
     ref_loss, ref_grads = run("reference")
     z = jnp.einsum("bth,vh->btv", inp.hidden, inp.lm_head)
@@ -120,17 +125,19 @@ def test_log_prob_ops_with_a_cap():
     head_options = {"xla": LmHeadBlockSizes(chunk_tokens=8), "pallas": HEAD_PALLAS}
     logits_options = {"pallas": PallasOptions(blocks=TPU)}
     for impl in ("reference", "xla", "pallas"):
-        np.testing.assert_allclose(as64(token_logps(z, ids, temperature=0.8, impl=impl,
-                                                    options=logits_options.get(impl),
-                                                    logit_softcap=CAP)), want, atol=2e-5,
-                                   err_msg=impl)
-        got = token_logps_from_hidden(h, w, ids, temperature=0.8, impl=impl, logit_softcap=CAP,
-                                      options=head_options.get(impl))
+        program = (lambda f: f) if impl == "reference" else jax.jit
+        got = program(lambda z: token_logps(z, ids, temperature=0.8, impl=impl,
+                                            options=logits_options.get(impl),
+                                            logit_softcap=CAP))(z)
+        np.testing.assert_allclose(as64(got), want, atol=2e-5, err_msg=impl)
+        got = program(lambda h: token_logps_from_hidden(
+            h, w, ids, temperature=0.8, impl=impl, logit_softcap=CAP,
+            options=head_options.get(impl)))(h)
         np.testing.assert_allclose(as64(got), want, atol=2e-5, err_msg=impl)
     g_r = jax.grad(lambda h: jnp.sum(token_logps_from_hidden(h, w, ids, impl="reference",
                                                              logit_softcap=CAP)))(h)
-    g = jax.grad(lambda h: jnp.sum(token_logps_from_hidden(
-        h, w, ids, impl="xla", options=head_options["xla"], logit_softcap=CAP)))(h)
+    g = jax.jit(jax.grad(lambda h: jnp.sum(token_logps_from_hidden(
+        h, w, ids, impl="xla", options=head_options["xla"], logit_softcap=CAP))))(h)
     assert rel_err(g, g_r) <= 2e-5  # the Pallas head's gradients: test_fused_loss_with_a_cap
 
 
