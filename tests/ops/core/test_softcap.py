@@ -49,9 +49,14 @@ LOGITS_IMPLS = {
 HEAD_PALLAS = LmHeadPallasOptions(blocks=LmHeadPallasBlockSizes(block_rows=16, block_vocab=128))
 
 
-# The fast implementations run jitted, one program each: op by op, an interpreted Pallas
-# kernel's body dispatches every operation of every grid step from Python (2-3x the time of
-# compiling it here). The reference stays op by op, its primitives shared with the other tests.
+def _program(impl: str):
+    """How ``impl`` runs here: the fast implementations jitted, one program each (op by op, an
+    interpreted Pallas kernel's body dispatches every operation of every grid step from Python,
+    2-3x the time of compiling it here); the reference op by op, its primitives shared with the
+    other tests."""
+    return (lambda f: f) if impl == "reference" else jax.jit
+
+
 def _capped64(z):
     z = np.asarray(jnp.asarray(z, jnp.float32), np.float64)
     return CAP * np.tanh(z / CAP)
@@ -67,7 +72,7 @@ def test_logits_loss_with_a_cap(cfg):
         step = jax.value_and_grad(lambda z: grpo_loss(
             z, inp.ids, inp.mask, inp.advantages, config=cfg, impl=impl, options=options,
             logit_softcap=CAP, **inp.kwargs())[0])
-        return (step if impl == "reference" else jax.jit(step))(inp.logits)
+        return _program(impl)(step)(inp.logits)
 
     ref_loss, ref_grad = run("reference")
     np.testing.assert_allclose(float(ref_loss), want, rtol=1e-5, atol=1e-6)
@@ -94,7 +99,7 @@ def test_fused_loss_with_a_cap(cfg, dweight):
             h, w, inp.ids, inp.mask, inp.advantages, config=cfg, impl=impl, options=options,
             lm_head_layout="vh", logit_softcap=CAP, old_logps=inp.old_logps,
             ref_logps=inp.ref_logps)[0], argnums=(0, 1))
-        return (step if impl == "reference" else jax.jit(step))(inp.hidden, inp.lm_head)
+        return _program(impl)(step)(inp.hidden, inp.lm_head)
 
     ref_loss, ref_grads = run("reference")
     z = jnp.einsum("bth,vh->btv", inp.hidden, inp.lm_head)
@@ -125,7 +130,7 @@ def test_log_prob_ops_with_a_cap():
     head_options = {"xla": LmHeadBlockSizes(chunk_tokens=8), "pallas": HEAD_PALLAS}
     logits_options = {"pallas": PallasOptions(blocks=TPU)}
     for impl in ("reference", "xla", "pallas"):
-        program = (lambda f: f) if impl == "reference" else jax.jit
+        program = _program(impl)
         got = program(lambda z: token_logps(z, ids, temperature=0.8, impl=impl,
                                             options=logits_options.get(impl),
                                             logit_softcap=CAP))(z)
