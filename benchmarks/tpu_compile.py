@@ -118,6 +118,9 @@ def use_libtpu(libtpu: str | None, name: str) -> bool:
               "`make .venv/.installed-dev`, which puts it in .venv/libtpu)", file=sys.stderr)
         return False
     os.environ["TPU_LIBRARY_PATH"] = str(lib)
+    # Programs here are lowered for a TPU: every platform's branch is traced
+    # (grpo_kernels.ops.core.platform; a test suite that lowers for its CPU names only that).
+    os.environ.pop("GRPO_KERNELS_PLATFORMS", None)
     # The host's own backend is the CPU (libtpu only compiles here), and libtpu's
     # /tmp/libtpu_lockfile, which keeps a second process off a chip, would stop parallel test
     # workers that each run this script, though no chip is touched.

@@ -29,6 +29,12 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = " ".join(
         [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
 
+# Every test lowers for this host's CPU but the few that lower for a GPU or TPU, which say so
+# (tests.helpers.every_platform; the TPU-compile scripts trace every branch themselves): the
+# ops' per-platform branches (grpo_kernels.ops.core.platform) of the other kinds are not traced
+# (about a tenth of a grid test's time). A value the caller set wins.
+os.environ.setdefault("GRPO_KERNELS_PLATFORMS", "cpu")
+
 _OWNED_CACHE = None
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     _OWNED_CACHE = tempfile.mkdtemp(prefix="grpo_kernels_jax_cache_")

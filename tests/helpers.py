@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
-from typing import Any, Callable
+import os
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +146,21 @@ def reference_value_and_grad(inp, cfg, jit=False, **kw):
 ABSTRACT_GPU = dict(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
 
 
+@contextlib.contextmanager
+def every_platform() -> Iterator[None]:
+    """Traces every platform's branch of :func:`~grpo_kernels.ops.core.platform.by_platform`
+    within: the suite stages out only the CPU's (tests/conftest.py), and a program traced
+    here may be lowered for a GPU or a TPU."""
+    from grpo_kernels.ops.core.platform import ENV
+    before = os.environ.pop(ENV, None)
+    try:
+        yield
+    finally:
+        if before is not None:
+            os.environ[ENV] = before
+
+
+@every_platform()
 def cuda_export(fn: Callable, *args) -> Any:
     """``jax.export(fn, platforms=["cuda"])(*args)`` with Triton custom calls allowed (they
     carry no serialization-compatibility promise; lowering is what counts). Where this jax
@@ -207,6 +224,7 @@ def take_plan_of(monkeypatch, module: Any, kind: str) -> None:
     monkeypatch.setattr(module, "by_platform", lambda fn, plan, *args: fn(plan(kind), *args))
 
 
+@every_platform()
 def lowered_text(fn: Callable, *args: Any, platform: str) -> str:
     """The StableHLO of ``jit(fn)(*args)`` lowered for ``platform`` (no device needed)."""
     return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()

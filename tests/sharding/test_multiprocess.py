@@ -48,11 +48,13 @@ def _launch(argv, limit_s: float = LIMIT_S):
     """Two processes of ``argv(process_id, port)`` (4 CPU devices each) to the end;
     ``[(returncode, stdout, stderr), ...]``, wall s."""
     port = _free_port()
-    # 4 devices each, and the suite's compiler level (tests/conftest.py) where it set one
-    level = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if f.startswith("--xla_backend_optimization_level")]
+    # 4 devices each, and the suite's compiler settings (tests/conftest.py) where it set them:
+    # the optimisation level and, in a run on them, the legacy emitters (the workers read no
+    # compile plan)
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if f.startswith(("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters"))]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               XLA_FLAGS=" ".join(["--xla_force_host_platform_device_count=4", *level]))
+               XLA_FLAGS=" ".join(["--xla_force_host_platform_device_count=4", *kept]))
     start = time.perf_counter()
     procs = [subprocess.Popen(argv(i, port), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]

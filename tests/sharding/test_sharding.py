@@ -33,8 +33,8 @@ from grpo_kernels.sharding import (
     sharded_grpo_loss_from_hidden,
 )
 from grpo_kernels.sharding.hlo import collectives
-from tests.helpers import (as64, family_grid, family_id, option_grid, option_id, pairwise,
-                           rel_err)
+from tests.helpers import (as64, every_platform, family_grid, family_id, option_grid, option_id,
+                           pairwise, rel_err)
 from tests.sharding.conftest import MESHES, make, mesh_id
 
 B, T, V = 8, 6, 64          # logits op: V/8 = 8 columns per device at tp=8
@@ -743,7 +743,8 @@ def test_tpu_kernels_lower_under_shard_map(op):
                 ref_logps=ref, options=LmHeadPallasOptions(interpret=False))
         argnums, kernels = (0, 1), 3
     step = jax.jit(jax.value_and_grad(f, argnums=argnums, has_aux=True))
-    exported = jax.export.export(step, platforms=["tpu"])(*args)
+    with every_platform():
+        exported = jax.export.export(step, platforms=["tpu"])(*args)
     assert exported.mlir_module().count("tpu_custom_call") == kernels
     assert exported.nr_devices == 8
 

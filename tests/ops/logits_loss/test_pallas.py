@@ -19,8 +19,8 @@ from grpo_kernels.ops.core.tpu import GENERATIONS, VMEM_BYTES
 from grpo_kernels.ops.logits_loss import pallas_tpu
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
 from grpo_kernels.config import CLASSIC_LOSS_TYPES
-from tests.helpers import (cuda_export, family_grid, family_id, grid_id, option_grid, option_id,
-                           pairwise, reference_value_and_grad, rel_err)
+from tests.helpers import (cuda_export, every_platform, family_grid, family_id, grid_id,
+                           option_grid, option_id, pairwise, reference_value_and_grad, rel_err)
 from tests.ops.logits_loss.test_impls import assert_matches_reference
 
 KERNELS = ("tpu", "gpu")
@@ -293,7 +293,8 @@ def _export_value_and_grad(b, t, v, dtype, platform, kernel, level="token", soft
     step = jax.jit(jax.value_and_grad(f, has_aux=True))
     if platform == "cuda":
         return cuda_export(step, *args)
-    return jax.export.export(step, platforms=[platform])(*args)
+    with every_platform():
+        return jax.export.export(step, platforms=[platform])(*args)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
