@@ -32,7 +32,7 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # Every test lowers for this host's CPU but the few that lower for a GPU or TPU, which say so
 # (tests.helpers.every_platform; the TPU-compile scripts trace every branch themselves): the
 # ops' per-platform branches (grpo_kernels.ops.core.platform) of the other kinds are not traced
-# (about a tenth of a grid test's time). A value the caller set wins.
+# (tests/README.md measures it). A value the caller set wins.
 os.environ.setdefault("GRPO_KERNELS_PLATFORMS", "cpu")
 
 _OWNED_CACHE = None
