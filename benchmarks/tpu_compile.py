@@ -81,6 +81,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.ops.core.dtypes import DTYPE_CHOICES, dtype_name, parse_dtype
+from grpo_kernels.ops.core.platform import ENV as STAGED_PLATFORMS
 from grpo_kernels.ops.core.tpu import GENERATIONS, row_major_by_default
 from grpo_kernels.proof.shapes import (GEMMA3, MODELS, check_at_least_one, model_config,
                                        tunix_config)
@@ -120,7 +121,7 @@ def use_libtpu(libtpu: str | None, name: str) -> bool:
     os.environ["TPU_LIBRARY_PATH"] = str(lib)
     # Programs here are lowered for a TPU: every platform's branch is traced
     # (grpo_kernels.ops.core.platform; a test suite that lowers for its CPU names only that).
-    os.environ.pop("GRPO_KERNELS_PLATFORMS", None)
+    os.environ.pop(STAGED_PLATFORMS, None)
     # The host's own backend is the CPU (libtpu only compiles here), and libtpu's
     # /tmp/libtpu_lockfile, which keeps a second process off a chip, would stop parallel test
     # workers that each run this script, though no chip is touched.
