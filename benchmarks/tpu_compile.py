@@ -35,6 +35,8 @@ The ops (``--op``), in two families with their own arguments:
   row-major`` (the default) asks for the layout a head matmul inside the same jit produces,
   ``default`` shows the other. The head weights of ``lm_head`` arrive in their default
   layout, as a trainer's parameters do (``--lm-head-layout`` picks ``[H, V]`` or ``[V, H]``).
+  ``--option IMPL.FIELD=VALUE`` sets one field of an implementation's options on top of
+  those (``xla.dweight=vocab``, ``xla.chunk_tokens=1024``).
 - ``layout-rule``: ``w * 2`` for rank-2 arguments of many shapes, the layout XLA gives each
   checked against ``grpo_kernels.ops.core.tpu.row_major_by_default``, the rule the Pallas
   head uses to read its weights without a copy. Combines with the two above.
@@ -251,10 +253,12 @@ def option_fields(op: str, impl: str, generation: str, match_tpu_layout: bool = 
     return None
 
 
-def _options(op: str, impl: str, generation: str, match_tpu_layout: bool = True):
-    """Per-implementation options for a TPU compile traced on this CPU host."""
-    fields = option_fields(op, impl, generation, match_tpu_layout)
-    if fields is None:
+def _options(op: str, impl: str, generation: str, match_tpu_layout: bool = True,
+             extra: dict | None = None):
+    """Per-implementation options for a TPU compile traced on this CPU host, with the fields
+    of ``extra`` (``--option``) on top."""
+    fields = {**(option_fields(op, impl, generation, match_tpu_layout) or {}), **(extra or {})}
+    if not fields:
         return None
     from grpo_kernels.ops.lm_head_loss.api import OPTION_TYPES as HEAD_TYPES
     from grpo_kernels.ops.logits_loss.api import OPTION_TYPES as LOGITS_TYPES
@@ -267,14 +271,14 @@ def _batch_args(place: Placement, specs: dict, b: int, t: int) -> tuple:
             _spec((b, t), F32, rows), _spec((b, t), F32, rows))
 
 
-def logits_step(impl, generation, place, b, t, v, dtype, level, layout):
-    """``(step, args)`` of the logits-level loss."""
+def logits_step(impl, generation, place, b, t, v, dtype, level, layout, extra=None):
+    """``(step, args)`` of the logits-level loss (``extra``: :func:`_options`'s)."""
     from jax.experimental.layout import Format, Layout
 
     from grpo_kernels.ops.logits_loss.api import grpo_loss
     from grpo_kernels.sharding import sharded_grpo_loss
     cfg = GRPOLossConfig(beta=0.04, importance_sampling_level=level)
-    opts = _options("logits", impl, generation)
+    opts = _options("logits", impl, generation, extra=extra)
     kw = {} if place.mesh is None else dict(mesh=place.mesh, sharding=place.spec)
     fn = grpo_loss if place.mesh is None else sharded_grpo_loss
 
@@ -294,13 +298,14 @@ def logits_step(impl, generation, place, b, t, v, dtype, level, layout):
     return jax.jit(step, out_shardings=((None, None), z_sh)), args
 
 
-def head_step(impl, generation, place, b, t, h, v, dtype, level, head_layout, match=True):
+def head_step(impl, generation, place, b, t, h, v, dtype, level, head_layout, match=True,
+              extra=None):
     """``(step, args)`` of the fused LM-head loss (weights in their default layout;
-    ``match``: ``LmHeadPallasOptions.match_tpu_layout``)."""
+    ``match``: ``LmHeadPallasOptions.match_tpu_layout``; ``extra``: :func:`_options`'s)."""
     from grpo_kernels.ops.lm_head_loss.api import grpo_loss_from_hidden
     from grpo_kernels.sharding import sharded_grpo_loss_from_hidden
     cfg = GRPOLossConfig(beta=0.04, importance_sampling_level=level)
-    opts = _options("lm_head", impl, generation, match)
+    opts = _options("lm_head", impl, generation, match, extra)
     kw = {} if place.mesh is None else dict(mesh=place.mesh, sharding=place.spec)
     fn = grpo_loss_from_hidden if place.mesh is None else sharded_grpo_loss_from_hidden
 
@@ -359,13 +364,13 @@ def kernel_rows(args: argparse.Namespace, dump: Path | None):
                                   args.batch, args.time, args.dtype, args.level)
         for op, impl, b, t, dname, level in cases:
             dtype = parse_dtype(dname)
-            v, h = args.vocab, args.hidden
+            v, h, extra = args.vocab, args.hidden, args.extra_options.get(impl)
             if op == "logits":
                 step, a = logits_step(impl, gen, place, b, t, v, dtype, level,
-                                      args.logits_layout)
+                                      args.logits_layout, extra)
             else:
                 step, a = head_step(impl, gen, place, b, t, h, v, dtype, level,
-                                    args.lm_head_layout, not args.head_as_given)
+                                    args.lm_head_layout, not args.head_as_given, extra)
             row = {"op": op, "impl": impl, "generation": gen, "topology": topo,
                    "device_kind": devices[0].device_kind,
                    "mesh": dict(zip(*args.mesh)) if args.mesh else None, "batch": b,
@@ -374,6 +379,7 @@ def kernel_rows(args: argparse.Namespace, dump: Path | None):
                    "hidden": h if op == "lm_head" else None,
                    "lm_head_layout": args.lm_head_layout if op == "lm_head" else None,
                    "head_as_given": args.head_as_given if op == "lm_head" else None,
+                   "options": extra or None,
                    "logits_bytes": b * t * v * jnp.dtype(dtype).itemsize // count}
             row.update(compile_case(step, a, local_shapes(op, place, b, t, v, h), dump))
             yield row
@@ -547,7 +553,7 @@ def _mesh(text: str):
 KERNEL_DEFAULTS = {"impl": ["pallas"], "mesh": None, "batch": [1], "time": [2048],
                    "vocab": 151_643, "hidden": 4096, "dtype": ["bfloat16", "float32"],
                    "level": ["token", "sequence"], "logits_layout": "row-major",
-                   "lm_head_layout": "hv", "head_as_given": False, "shapes": 60}
+                   "lm_head_layout": "hv", "head_as_given": False, "shapes": 60, "option": []}
 STEP_DEFAULTS = {"model": "qwen2.5-1.5b", "layers": 1, "arms": None, "rows": 8, "prompt": 256,
                  "completion": 1024}
 TRAIN_DEFAULTS = {"logits_dtype": "float32", "remat": False, "kernel": []}
@@ -589,6 +595,9 @@ def parser() -> argparse.ArgumentParser:
                    help="pallas head: LmHeadPallasOptions(match_tpu_layout=False), the "
                    "kernels on W as given (a relayout copy of W in and of dW out when the TPU "
                    "keeps W in the other orientation)")
+    k.add_argument("--option", action="append", metavar="IMPL.FIELD=VALUE",
+                   help="a field of IMPL's options on top of the TPU compile's, value as YAML "
+                   "(xla.dweight=vocab); repeatable")
     k.add_argument("--shapes", type=int,
                    help="random shapes of layout-rule, besides its named ones (default: 60)")
     s = p.add_argument_group("train-step, tunix-step")
@@ -637,6 +646,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not steps:
         _refuse(p, args, [*STEP_DEFAULTS, *TRAIN_DEFAULTS], "train-step, tunix-step")
         _fill(args, {**KERNEL_DEFAULTS, "generations": list(GENERATIONS)})
+        args.extra_options = _option_fields(p, args)
         return args
     op = steps[0]
     _refuse(p, args, KERNEL_DEFAULTS, "logits, lm_head, layout-rule")
@@ -658,6 +668,28 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(str(e))
     args.overrides = _overrides(p, args) if op == "train-step" else {}
     return args
+
+
+def _option_fields(p, args) -> dict[str, dict]:
+    """``--option``'s fields per implementation, each op's options built with them (so a bad
+    field fails here, before any compile)."""
+    import yaml
+    fields: dict[str, dict] = {}
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        impl, dot, field = key.partition(".")
+        if not sep or not dot or impl not in IMPLS or not field:
+            p.error(f"--option {item!r}: expected IMPL.FIELD=VALUE with IMPL one of {IMPLS}")
+        fields.setdefault(impl, {})[field] = yaml.safe_load(value)
+    ops = [o for o in args.op if o != "layout-rule"]
+    for op, gen, impl in itertools.product(ops, args.generations, fields):
+        try:
+            if impl == "reference":
+                raise ValueError("the reference takes no options")
+            _options(op, impl, gen, extra=fields[impl])
+        except (TypeError, ValueError) as e:
+            p.error(f"--option {impl}.{', '.join(fields[impl])} ({op}): {e}")
+    return fields
 
 
 def _overrides(p, args) -> dict[str, dict]:
