@@ -670,22 +670,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _dotted_fields(p, flag: str, items: list[str], names, what: str) -> dict[str, dict]:
+    """``NAME.FIELD=VALUE`` items (``--kernel``, ``--option``) as ``{NAME: {FIELD: value}}``,
+    each value read as YAML; a malformed item or a NAME not in ``names`` is a usage error."""
+    import yaml
+    fields: dict[str, dict] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        name, dot, field = key.partition(".")
+        if not sep or not dot or name not in names or not field:
+            p.error(f"{flag} {item!r}: expected {what}.FIELD=VALUE with {what} one of "
+                    f"{list(names)}")
+        fields.setdefault(name, {})[field] = yaml.safe_load(value)
+    return fields
+
+
 def _option_fields(p, args) -> dict[str, dict]:
     """``--option``'s fields per implementation, each op's options built with them (so a bad
     field fails here, before any compile)."""
-    import yaml
-    fields: dict[str, dict] = {}
-    for item in args.option:
-        key, sep, value = item.partition("=")
-        impl, dot, field = key.partition(".")
-        if not sep or not dot or impl not in IMPLS or not field:
-            p.error(f"--option {item!r}: expected IMPL.FIELD=VALUE with IMPL one of {IMPLS}")
-        fields.setdefault(impl, {})[field] = yaml.safe_load(value)
+    fields = _dotted_fields(p, "--option", args.option, IMPLS, "IMPL")
+    if "reference" in fields:
+        p.error("--option reference: the reference takes no options")
     ops = [o for o in args.op if o != "layout-rule"]
     for op, gen, impl in itertools.product(ops, args.generations, fields):
         try:
-            if impl == "reference":
-                raise ValueError("the reference takes no options")
             _options(op, impl, gen, extra=fields[impl])
         except (TypeError, ValueError) as e:
             p.error(f"--option {impl}.{', '.join(fields[impl])} ({op}): {e}")
@@ -695,17 +703,8 @@ def _option_fields(p, args) -> dict[str, dict]:
 def _overrides(p, args) -> dict[str, dict]:
     """``--kernel``'s fields per arm, each arm's entry built as the trainer builds it (so a
     bad field fails here, before any compile)."""
-    import yaml
-
     from grpo_kernels.rl.kernel import build_options
-    overrides: dict[str, dict] = {}
-    for item in args.kernel:
-        key, sep, value = item.partition("=")
-        arm, dot, field = key.partition(".")
-        if not sep or not dot or arm not in TRAIN_ARMS or not field:
-            p.error(f"--kernel {item!r}: expected ARM.FIELD=VALUE with ARM one of "
-                    f"{list(TRAIN_ARMS)}")
-        overrides.setdefault(arm, {})[field] = yaml.safe_load(value)
+    overrides = _dotted_fields(p, "--kernel", args.kernel, TRAIN_ARMS, "ARM")
     for gen, arm in itertools.product(args.generations, [*args.arms, *overrides]):
         entry = kernel_entry(arm, gen, overrides)
         if entry is not None:
