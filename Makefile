@@ -44,26 +44,22 @@ ab-head: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-# Two pytest runs: the multi-device tests need 8 simulated CPU devices, which XLA creates only
-# when the flag is set before JAX starts, so tests/sharding runs in its own processes.
+# The multi-device tests need 8 simulated CPU devices, which XLA creates only when the flag is
+# set before JAX starts; every run has them (the other tests use the first device).
 MULTIDEVICE := XLA_FLAGS="$$XLA_FLAGS --xla_force_host_platform_device_count=8"
 
 # --durations=25: the slowest tests of each run, so that the next slow one is seen.
-# The three runs share one JAX compilation cache (tests/conftest.py), made empty here and removed
-# at the end: the run against tunix's head reads back every program of ours that the first run
-# compiled (a third of its time).
+# The two runs (the suite, then tunix's tests against tunix's head) share one JAX compilation
+# cache (tests/conftest.py), made empty here and removed at the end: the run against tunix's head
+# reads back every program of ours that the first run compiled (a third of its time).
+# Each run compiles on XLA:CPU's legacy emitters (a quarter faster to compile) but for the tests
+# marked default_emitters (they read a compile plan), which run last, on the default ones
+# (tests/conftest.py says how).
 JAX_CACHE_ENV := JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
-# $(call split_run,PYTHON,ARGS): pytest ARGS with two xdist workers, as two runs: the tests that
-# read no XLA:CPU compile plan, on XLA:CPU's legacy emitters (a quarter faster to compile), then
-# those that do (marked default_emitters), on its default emitters (tests/conftest.py says why).
-# A run that selects no test (pytest's exit code 5) is not a failure.
-split_run = { $(1) -m pytest -q -n 2 -m "not default_emitters" $(2) || [ $$? -eq 5 ]; } && \
-	{ $(1) -m pytest -q -n 2 -m default_emitters $(2) || [ $$? -eq 5 ]; }
 test: $(STAMP)
 	@cache=$$(mktemp -d -t grpo_kernels_jax_cache_XXXXXX) && trap 'rm -rf "$$cache"' EXIT && \
 	export JAX_COMPILATION_CACHE_DIR="$$cache" $(JAX_CACHE_ENV) && \
-	$(call split_run,$(BIN)/python,--durations=25 --ignore=tests/sharding) && \
-	$(call split_run,$(MULTIDEVICE) $(BIN)/python,--durations=25 tests/sharding) && \
+	$(MULTIDEVICE) $(BIN)/python -m pytest -q -n 2 --durations=25 && \
 	$(MAKE) --no-print-directory test-tunix-head
 
 # The tunix integration's tests a second time, against tunix's development head (what MaxText
@@ -81,7 +77,8 @@ TUNIX_TESTS := tests/integrations/test_tunix.py tests/integrations/test_tunix_lo
 	"tests/integrations/test_tunix_example.py::test_tunix_llama3_copy_gives_the_same_logits" \
 	"tests/proof/test_gpu_step_scripts.py::test_tunix_arms_agree_on_the_installed_tunix" \
 	tests/benchmarks/test_tpu_tunix_iteration.py
-TUNIX_MESH_TESTS := tests/sharding/test_tunix_mesh.py -k "fsdp4xtp2 or placement"
+TUNIX_MESH_TESTS := "tests/sharding/test_tunix_mesh.py::test_placement_leaves_out_what_does_not_divide" \
+	"tests/sharding/test_tunix_mesh.py::test_losses_and_log_probs_on_tunix_mesh_equal_one_device[fsdp4xtp2]"
 $(TUNIX_HEAD)/.installed: | $(STAMP)
 	rm -rf $(TUNIX_HEAD) && tmp=$$(mktemp -d) && tar -xzf $(TUNIX_HEAD_TGZ) -C $$tmp && \
 		$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps \
@@ -92,10 +89,8 @@ test-tunix-head: $(STAMP)
 	@if [ -f $(TUNIX_HEAD_TGZ) ]; then \
 		$(MAKE) --no-print-directory $(TUNIX_HEAD)/.installed && \
 		echo "tunix development head ($(TUNIX_HEAD_TGZ)): the tunix integration tests" && \
-		$(call split_run,PYTHONPATH=$(CURDIR)/$(TUNIX_HEAD) $(BIN)/python,--durations=15 \
-			$(TUNIX_TESTS)) && \
-		$(call split_run,PYTHONPATH=$(CURDIR)/$(TUNIX_HEAD) $(MULTIDEVICE) $(BIN)/python,\
-			$(TUNIX_MESH_TESTS)); \
+		PYTHONPATH=$(CURDIR)/$(TUNIX_HEAD) $(MULTIDEVICE) $(BIN)/python -m pytest -q -n 2 \
+			--durations=15 $(TUNIX_TESTS) $(TUNIX_MESH_TESTS); \
 	else \
 		echo "tunix development head: not tested ($(TUNIX_HEAD_TGZ) is not here)"; \
 	fi
@@ -103,8 +98,8 @@ test-tunix-head: $(STAMP)
 # The suite's ops, sharding and integration tests on Python 3.12 with the newest jax 0.12
 # (constraints-py312.txt: jax 0.12.0.1, flax 0.12.12, google-tunix 0.1.7; no torch, whose only
 # Python 3.12 wheel is a CUDA build, so the Liger peer's test is left out), in .venv312. Where
-# no python3.12 is found it says so in one line and runs nothing. One run per folder set, not
-# split_run's two: jaxlib 0.12's XLA:CPU has no legacy emitters to split the tests by.
+# no python3.12 is found it says so in one line and runs nothing (jaxlib 0.12's XLA:CPU has no
+# legacy emitters: every test compiles on the default ones).
 # (The first candidate that runs: a pyenv shim answers `command -v` and may still fail.)
 PYTHON312 ?= $(shell for p in $(wildcard /root/.pyenv/versions/3.12*/bin/python3.12) \
 	$$(command -v python3.12); do "$$p" -c "import sys" 2>/dev/null && echo "$$p" && break; \
@@ -123,9 +118,8 @@ test-py312:
 		echo "Python 3.12 stage: not run (no python3.12 on this machine)"; \
 	else \
 		$(MAKE) --no-print-directory $(STAMP312) && \
-		$(VENV312)/bin/python -m pytest -q -n 2 --durations=15 tests/ops tests/integrations \
-			--ignore=tests/integrations/test_liger.py && \
-		$(MULTIDEVICE) $(VENV312)/bin/python -m pytest -q -n 2 --durations=15 tests/sharding; \
+		$(MULTIDEVICE) $(VENV312)/bin/python -m pytest -q -n 2 --durations=15 tests/ops \
+			tests/integrations tests/sharding --ignore=tests/integrations/test_liger.py; \
 	fi
 
 test-fast: $(STAMP)

@@ -4,10 +4,13 @@ The tests' shapes are tiny, so compiling, not running, is most of the suite's ti
 backend optimisation level 0 compiles the same HLO about 35% faster here and leaves alone what
 the tests read: the float operations and their order (XLA's HLO fixes them; the level changes at
 most whether a multiply and an add fuse, one rounding) and the HLO passes (fusion, buffer
-assignment) behind the memory and lowering tests. It must be in XLA_FLAGS before a JAX backend
-starts; subprocesses the tests spawn inherit it. A level the caller set wins. Where a run
-leaves out the tests marked ``default_emitters``, XLA:CPU's legacy emitters compile the rest
-(:data:`FAST_EMITTERS` says why that is safe for them, and not for the marked ones).
+assignment) behind the memory and lowering tests. One LLVM module per program instead of
+XLA:CPU's split into parts for parallel code generation (which two cores do not repay) takes
+another tenth or so off jaxlib 0.10.2's compile time (nothing on 0.12's); the code of each
+function is the same. Both must be in XLA_FLAGS before a JAX backend starts; subprocesses the
+tests spawn inherit them. A value the caller set wins. XLA:CPU's
+legacy emitters compile every test but those marked ``default_emitters``, which run last, on
+the default ones (:data:`FAST_EMITTERS` says why and how).
 
 Many tests compile the same program (one loss at one shape, under another test's name, in
 another worker, or in a subprocess of the proof's dry runs), so every run shares JAX's
@@ -15,7 +18,7 @@ persistent compilation cache in a temporary directory of its own: made by the fi
 process (xdist's controller, before its workers start; they and every subprocess inherit it
 through the environment), removed when that process ends. Nothing survives the run, so each
 run compiles from nothing as CI does. A ``JAX_COMPILATION_CACHE_DIR`` the caller set wins
-(and is left in place): ``make test`` sets one for its three runs and removes it at the end.
+(and is left in place): ``make test`` sets one for its two runs and removes it at the end.
 """
 
 import collections
@@ -25,9 +28,10 @@ import shutil
 import sys
 import tempfile
 
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = " ".join(
-        [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
+COMPILER_FLAGS = {"xla_backend_optimization_level": 0, "xla_cpu_parallel_codegen_split_count": 1}
+for _flag, _value in COMPILER_FLAGS.items():
+    if _flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
 
 # Every test lowers for this host's CPU but the few that lower for a GPU or TPU, which say so
 # (tests.helpers.every_platform; the TPU-compile scripts trace every branch themselves): the
@@ -78,26 +82,37 @@ def pytest_addoption(parser):
 # left unfused, a bitcast and a copy for a fused convert), so the buffer assignment, the
 # optimised HLO and its cost do too. A test that reads one of those (memory_analysis, the
 # optimised HLO, its cost analysis), in its process or in one it starts, or whose exact ties
-# depend on XLA:CPU's rounding, is marked ``default_emitters``. `make test` runs each folder
-# set twice: ``-m "not default_emitters"`` on the legacy emitters, then ``-m default_emitters``
-# on the default; any run that selects a marked test keeps the default for all its tests.
+# depend on XLA:CPU's rounding, is marked ``default_emitters``.
+#
+# Every process of a run starts on the legacy emitters (XLA_FLAGS, before a backend starts;
+# xdist's workers inherit it), and the marked tests are moved to the end of the run, so that
+# each worker passes from the one kind of test to the other once. There, the worker clears
+# JAX's in-memory caches (no program compiled on the legacy emitters is reused), asks for the
+# default emitters in every CPU compile it makes from then on (an XLA option of the compile, so
+# part of the persistent cache's key: a program is never read back compiled the other way),
+# and takes the flag out of XLA_FLAGS for the processes its tests start. A caller's own
+# ``--xla_cpu_use_fusion_emitters`` in XLA_FLAGS wins, as on jaxlib 0.12, which has no legacy
+# emitters (XLA aborts on the flag there, so a child process is asked first).
 FAST_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+MARK = "default_emitters"
 _PLAN_READS = ("memory_analysis", "as_text", "cost_analysis")
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _READERS = tuple(os.path.join(_REPO, d) + os.sep for d in ("tests", "benchmarks"))
+# Whether this process started on the legacy emitters, and whether it now compiles on the
+# default ones (set per test by pytest_runtest_protocol below).
+_EMITTERS = {"switching": False, "default": True}
 
 
-def leaves_out_default_emitters(markexpr: str) -> bool:
-    """Whether ``-m markexpr`` selects no ``default_emitters`` test: ``not default_emitters``,
-    alone or first in a conjunction (``not default_emitters and not slow``)."""
-    return re.fullmatch(r"\s*not\s+default_emitters\s*(and\s.*)?", markexpr or "") is not None
+def marked_last(items: list) -> list:
+    """``items`` with the ``default_emitters`` tests after the others, each group in its order."""
+    return sorted(items, key=lambda item: item.get_closest_marker(MARK) is not None)
 
 
 def _refuse_plan_reads() -> None:
-    """Fail a test's (or a benchmark's) read of a compiled program's plan in a process on the
-    legacy emitters, whose plans are not the ones users get. The library's own reads (the
-    trainer's and the bench command's reports) go on: a test that asserts on those is marked
-    by hand."""
+    """Fail a test's (or a benchmark's) read of a compiled program's plan while the process
+    compiles on the legacy emitters, whose plans are not the ones users get. The library's own
+    reads (the trainer's and the bench command's reports) go on: a test that asserts on those
+    is marked by hand."""
     from jax.stages import Compiled
 
     def guarded(name):
@@ -105,10 +120,10 @@ def _refuse_plan_reads() -> None:
 
         def method(self, *args, **kwargs):
             caller = sys._getframe(1).f_code.co_filename
-            if caller.startswith(_READERS):
+            if not _EMITTERS["default"] and caller.startswith(_READERS):
                 raise AssertionError(
-                    f"{caller} reads Compiled.{name}() in a run on {FAST_EMITTERS}: mark the "
-                    "test default_emitters (tests/conftest.py)")
+                    f"{caller} reads Compiled.{name}() in a test on {FAST_EMITTERS}: mark the "
+                    f"test {MARK} (tests/conftest.py)")
             return read(self, *args, **kwargs)
         return method
 
@@ -116,23 +131,68 @@ def _refuse_plan_reads() -> None:
         setattr(Compiled, name, guarded(name))
 
 
+def _ask_default_emitters_per_compile() -> None:
+    """Make every CPU compile of this process, while ``_EMITTERS["default"]``, override the
+    process's legacy emitters with the default ones (jax's compile options take any XLA debug
+    option by name; one the compile sets itself wins)."""
+    from jax._src import compiler
+
+    plain = compiler.get_compile_options
+
+    def get_compile_options(*args, env_options_overrides=None, backend=None, **kwargs):
+        if _EMITTERS["default"] and getattr(backend, "platform", None) == "cpu":
+            env_options_overrides = {"xla_cpu_use_fusion_emitters": True,
+                                     **(env_options_overrides or {})}
+        return plain(*args, env_options_overrides=env_options_overrides, backend=backend,
+                     **kwargs)
+
+    compiler.get_compile_options = get_compile_options
+
+
+def use_default_emitters(default: bool) -> None:
+    """Compile on the default emitters from now on (``default``) or on the legacy ones, here
+    and in the processes started from here; a no-op in a process that does not switch."""
+    if not _EMITTERS["switching"] or _EMITTERS["default"] == default:
+        return
+    if default:
+        jax.clear_caches()
+    _EMITTERS["default"] = default
+    flags = os.environ["XLA_FLAGS"].replace(FAST_EMITTERS, "").split()
+    os.environ["XLA_FLAGS"] = " ".join(flags if default else [*flags, FAST_EMITTERS])
+
+
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "default_emitters: reads an XLA:CPU compile plan (memory, optimised HLO, "
-        "cost) or an exact tie, so it runs on XLA:CPU's default emitters (tests/conftest.py)")
-    if not leaves_out_default_emitters(config.getoption("markexpr", "")):
-        return
+        "markers", f"{MARK}: reads an XLA:CPU compile plan (memory, optimised HLO, cost) or an "
+        "exact tie, so it runs on XLA:CPU's default emitters (tests/conftest.py)")
+    if "--xla_cpu_use_fusion_emitters" in os.environ["XLA_FLAGS"].replace(FAST_EMITTERS, ""):
+        return  # the caller's choice
     if FAST_EMITTERS not in os.environ["XLA_FLAGS"]:
         if not _xla_takes(FAST_EMITTERS):
             return
         # Before any backend starts (collection comes later); xdist's workers inherit it.
         os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {FAST_EMITTERS}"
+    _EMITTERS.update(switching=True, default=False)
+    _ask_default_emitters_per_compile()
     _refuse_plan_reads()
 
 
+ORDER: list = []  # this process's tests, in the order they run
+
+
+def pytest_collection_modifyitems(config, items):
+    items[:] = marked_last(items)
+    ORDER[:] = items
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    use_default_emitters(item.get_closest_marker(MARK) is not None)
+    return (yield)
+
+
 def _xla_takes(flag: str) -> bool:
-    """Whether this jaxlib's XLA starts with ``flag`` (jaxlib 0.12 has no legacy CPU emitters,
-    and XLA aborts on a flag it does not know), asked of a child process."""
+    """Whether this jaxlib's XLA starts with ``flag``, asked of a child process."""
     import subprocess
     env = dict(os.environ, XLA_FLAGS=f"{os.environ['XLA_FLAGS']} {flag}", JAX_PLATFORMS="cpu")
     probe = "import jax.numpy as jnp; jnp.zeros(1).block_until_ready()"
@@ -202,7 +262,8 @@ def cpu_probe_s() -> float:
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not _USED_S or hasattr(config, "workerinput"):
         return
-    emitters = "legacy" if FAST_EMITTERS in os.environ["XLA_FLAGS"] else "default"
+    use_default_emitters(False)  # the probe compiles as every run's first tests do
+    emitters = "legacy" if _EMITTERS["switching"] else "default"
     terminalreporter.write_line(f"cpu probe (tests/conftest.py::cpu_probe_s, {emitters} "
                                 f"emitters): {cpu_probe_s():.2f} s")
     terminalreporter.section("test time per folder (s, all workers) / budget (tests/conftest.py)")

@@ -9,25 +9,45 @@ import pytest
 from tests import conftest
 
 
-@pytest.mark.parametrize("markexpr, left_out", [
-    ("not default_emitters", True), ("  not  default_emitters ", True),
-    ("not default_emitters and not slow", True),
-    ("", False), ("default_emitters", False), ("slow", False),
-    ("not default_emitters or slow", False), ("not slow and not default_emitters", False),
-    ("not default_emitters_x", False),
-])
-def test_only_a_run_without_the_marked_tests_leaves_the_default(markexpr, left_out):
-    """The legacy emitters only where the selection can hold no marked test (a conjunction
-    led by ``not default_emitters``; one the expression leads otherwise keeps the default)."""
-    assert conftest.leaves_out_default_emitters(markexpr) is left_out
+def _program():
+    """A one-operation program whose HLO differs with the emitters: the default ones wrap the
+    operation in a loop fusion, the legacy ones leave it bare."""
+    return jax.jit(jnp.exp).lower(jnp.ones(8))
 
 
-def test_a_plan_read_in_a_legacy_run_fails_by_name():
-    """In a run on the legacy emitters, this file's read of a plan fails naming the marker;
-    in a run on the default ones it is answered."""
-    compiled = jax.jit(lambda x: jnp.tanh(x) * 2).lower(jnp.ones(8)).compile()
-    if conftest.FAST_EMITTERS in os.environ["XLA_FLAGS"]:
+def _fusions(compiled) -> int:
+    return compiled.as_text().count(" fusion(")
+
+
+def test_marked_tests_run_last_in_their_order():
+    """The marked tests move behind the others, each group keeping its order (so each worker
+    switches once); the order of this run's tests shows it."""
+    items = conftest.ORDER
+    assert items
+    marked = [i.get_closest_marker(conftest.MARK) is not None for i in items]
+    assert marked == sorted(marked)
+    assert conftest.marked_last(items) == items
+
+
+def test_a_plan_read_on_the_legacy_emitters_fails_by_name():
+    """While this process compiles on the legacy emitters, this file's read of a plan fails
+    naming the marker (in a run whose caller chose the emitters, it is answered)."""
+    compiled = _program().compile()
+    if conftest._EMITTERS["switching"]:
+        assert not conftest._EMITTERS["default"]
+        assert conftest.FAST_EMITTERS in os.environ["XLA_FLAGS"]
         with pytest.raises(AssertionError, match="mark the test default_emitters"):
             compiled.memory_analysis()
     else:
         assert compiled.memory_analysis().output_size_in_bytes == 32
+
+
+@pytest.mark.default_emitters
+def test_a_marked_test_compiles_on_the_default_emitters():
+    """A marked test's compile is the default emitters' program (the operation wrapped in a
+    fusion, where the legacy emitters leave it bare), and its child processes get no legacy
+    flag."""
+    assert conftest.FAST_EMITTERS not in os.environ["XLA_FLAGS"]
+    assert _fusions(_program().compile()) == 1
+    if conftest._EMITTERS["switching"]:
+        assert _fusions(_program().compile({"xla_cpu_use_fusion_emitters": False})) == 0

@@ -4,9 +4,9 @@ every loss type at token and sequence level, equal to the one-process reference;
 same pair of processes, one trainer update (both heads) on a ``(tp=2, dp=4)`` mesh, equal to
 the one-process update.
 
-The workers (multiprocess_worker.py) run in their own processes with their own XLA_FLAGS, so
-this test runs in either pytest run; it compiles 32 programs per process and two trainers
-(about a minute).
+The workers (multiprocess_worker.py) run in their own processes with their own XLA_FLAGS
+(4 devices each, the suite's compiler flags); they compile 32 programs per process and two
+trainers (about a minute).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from grpo_kernels import GRPOLossConfig, grpo_loss, grpo_loss_from_hidden
+from tests.conftest import COMPILER_FLAGS
 from tests.helpers import rel_err
 from tests.sharding.multiprocess_cases import (
     CASES,
@@ -49,10 +50,9 @@ def _launch(argv, limit_s: float = LIMIT_S):
     ``[(returncode, stdout, stderr), ...]``, wall s."""
     port = _free_port()
     # 4 devices each, and the suite's compiler settings (tests/conftest.py) where it set them:
-    # the optimisation level and, in a run on them, the legacy emitters (the workers read no
-    # compile plan)
+    # its compiler flags and the emitters of this test (the workers read no compile plan)
     kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
-            if f.startswith(("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters"))]
+            if f.lstrip("-").split("=")[0] in (*COMPILER_FLAGS, "xla_cpu_use_fusion_emitters")]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
                XLA_FLAGS=" ".join(["--xla_force_host_platform_device_count=4", *kept]))
     start = time.perf_counter()
