@@ -77,8 +77,9 @@ TUNIX_TESTS := tests/integrations/test_tunix.py tests/integrations/test_tunix_lo
 	"tests/integrations/test_tunix_example.py::test_tunix_llama3_copy_gives_the_same_logits" \
 	"tests/proof/test_gpu_step_scripts.py::test_tunix_arms_agree_on_the_installed_tunix" \
 	tests/benchmarks/test_tpu_tunix_iteration.py
-TUNIX_MESH_TESTS := "tests/sharding/test_tunix_mesh.py::test_placement_leaves_out_what_does_not_divide" \
-	"tests/sharding/test_tunix_mesh.py::test_losses_and_log_probs_on_tunix_mesh_equal_one_device[fsdp4xtp2]"
+TUNIX_MESH := tests/sharding/test_tunix_mesh.py
+TUNIX_MESH_TESTS := "$(TUNIX_MESH)::test_placement_leaves_out_what_does_not_divide" \
+	"$(TUNIX_MESH)::test_losses_and_log_probs_on_tunix_mesh_equal_one_device[fsdp4xtp2]"
 $(TUNIX_HEAD)/.installed: | $(STAMP)
 	rm -rf $(TUNIX_HEAD) && tmp=$$(mktemp -d) && tar -xzf $(TUNIX_HEAD_TGZ) -C $$tmp && \
 		$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps \
