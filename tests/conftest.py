@@ -8,9 +8,9 @@ assignment) behind the memory and lowering tests. One LLVM module per program in
 XLA:CPU's split into parts for parallel code generation (which two cores do not repay) takes
 another tenth or so off jaxlib 0.10.2's compile time (nothing on 0.12's); the code of each
 function is the same. Both must be in XLA_FLAGS before a JAX backend starts; subprocesses the
-tests spawn inherit them. A value the caller set wins. XLA:CPU's
-legacy emitters compile every test but those marked ``default_emitters``, which run last, on
-the default ones (:data:`FAST_EMITTERS` says why and how).
+tests spawn inherit them. A value the caller set wins. XLA:CPU's legacy emitters compile every
+test but those marked ``default_emitters``, which run last, on the default ones
+(:data:`FAST_EMITTERS` says why and how).
 
 Many tests compile the same program (one loss at one shape, under another test's name, in
 another worker, or in a subprocess of the proof's dry runs), so every run shares JAX's
@@ -23,7 +23,6 @@ run compiles from nothing as CI does. A ``JAX_COMPILATION_CACHE_DIR`` the caller
 
 import collections
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -98,8 +97,8 @@ MARK = "default_emitters"
 _PLAN_READS = ("memory_analysis", "as_text", "cost_analysis")
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _READERS = tuple(os.path.join(_REPO, d) + os.sep for d in ("tests", "benchmarks"))
-# Whether this process started on the legacy emitters, and whether it now compiles on the
-# default ones (set per test by pytest_runtest_protocol below).
+# Whether this process switches between the emitters (it started on the legacy ones), and
+# whether it now compiles on the default ones (set per test by pytest_runtest_protocol below).
 _EMITTERS = {"switching": False, "default": True}
 
 
