@@ -92,7 +92,8 @@ def pytest_addoption(parser):
 # and takes the flag out of XLA_FLAGS for the processes its tests start. A caller's own
 # ``--xla_cpu_use_fusion_emitters`` in XLA_FLAGS wins, as on jaxlib 0.12, which has no legacy
 # emitters (XLA aborts on the flag there, so a child process is asked first).
-FAST_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+EMITTER_OPTION = "xla_cpu_use_fusion_emitters"  # XLA's debug option, by flag or per compile
+FAST_EMITTERS = f"--{EMITTER_OPTION}=false"
 MARK = "default_emitters"
 _PLAN_READS = ("memory_analysis", "as_text", "cost_analysis")
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,7 +141,7 @@ def _ask_default_emitters_per_compile() -> None:
 
     def get_compile_options(*args, env_options_overrides=None, backend=None, **kwargs):
         if _EMITTERS["default"] and getattr(backend, "platform", None) == "cpu":
-            env_options_overrides = {"xla_cpu_use_fusion_emitters": True,
+            env_options_overrides = {EMITTER_OPTION: True,
                                      **(env_options_overrides or {})}
         return plain(*args, env_options_overrides=env_options_overrides, backend=backend,
                      **kwargs)
@@ -164,7 +165,7 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", f"{MARK}: reads an XLA:CPU compile plan (memory, optimised HLO, cost) or an "
         "exact tie, so it runs on XLA:CPU's default emitters (tests/conftest.py)")
-    if "--xla_cpu_use_fusion_emitters" in os.environ["XLA_FLAGS"].replace(FAST_EMITTERS, ""):
+    if f"--{EMITTER_OPTION}" in os.environ["XLA_FLAGS"].replace(FAST_EMITTERS, ""):
         return  # the caller's choice
     if FAST_EMITTERS not in os.environ["XLA_FLAGS"]:
         if not _xla_takes(FAST_EMITTERS):

@@ -50,4 +50,4 @@ def test_a_marked_test_compiles_on_the_default_emitters():
     assert conftest.FAST_EMITTERS not in os.environ["XLA_FLAGS"]
     assert _fusions(_program().compile()) == 1
     if conftest._EMITTERS["switching"]:
-        assert _fusions(_program().compile({"xla_cpu_use_fusion_emitters": False})) == 0
+        assert _fusions(_program().compile({conftest.EMITTER_OPTION: False})) == 0

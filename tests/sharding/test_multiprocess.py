@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from grpo_kernels import GRPOLossConfig, grpo_loss, grpo_loss_from_hidden
-from tests.conftest import COMPILER_FLAGS
+from tests.conftest import COMPILER_FLAGS, EMITTER_OPTION
 from tests.helpers import rel_err
 from tests.sharding.multiprocess_cases import (
     CASES,
@@ -52,7 +52,7 @@ def _launch(argv, limit_s: float = LIMIT_S):
     # 4 devices each, and the suite's compiler settings (tests/conftest.py) where it set them:
     # its compiler flags and the emitters of this test (the workers read no compile plan)
     kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
-            if f.lstrip("-").split("=")[0] in (*COMPILER_FLAGS, "xla_cpu_use_fusion_emitters")]
+            if f.lstrip("-").split("=")[0] in (*COMPILER_FLAGS, EMITTER_OPTION)]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
                XLA_FLAGS=" ".join(["--xla_force_host_platform_device_count=4", *kept]))
     start = time.perf_counter()
