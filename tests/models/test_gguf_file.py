@@ -13,7 +13,7 @@ from grpo_kernels.models.gguf_file import GGUFFile  # noqa: E402
 
 def _write(path, alignment=None):
     """A file with a value of every metadata type, arrays of numbers, strings and booleans,
-    and float32, float16 and Q8_0 tensors (fresh random values)."""
+    and float32, float16 and Q8_0 tensors (fresh random values); the float tensors."""
     rng = np.random.default_rng(7)
     w = gguf.GGUFWriter(str(path), arch="llama")
     if alignment:
@@ -27,20 +27,23 @@ def _write(path, alignment=None):
     w.add_array("t.floats", rng.normal(size=7).tolist())
     w.add_array("t.strings", ["", "a b", "Ġthe", "日本"] * 50)
     w.add_array("t.bools", [True, False, True])
-    w.add_tensor("f32", rng.normal(size=(3, 5)).astype(np.float32))
-    w.add_tensor("f16", rng.normal(size=(7,)).astype(np.float16))
+    floats = {"f32": rng.normal(size=(3, 5)).astype(np.float32),
+              "f16": rng.normal(size=(7,)).astype(np.float16)}
+    for name, x in floats.items():
+        w.add_tensor(name, x)
     q8 = rng.normal(size=(2, 64)).astype(np.float32)
     w.add_tensor("q8", quantize(q8, Q.Q8_0), raw_dtype=Q.Q8_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return floats
 
 
 @pytest.mark.parametrize("alignment", [None, 64])
 def test_fields_and_tensors_equal_the_gguf_packages_reader(tmp_path, alignment):
     path = tmp_path / "all.gguf"
-    _write(path, alignment)
+    floats = _write(path, alignment)
     ours, theirs = GGUFFile(str(path)), gguf.GGUFReader(str(path))
     keys = [k for k in theirs.fields if not k.startswith("GGUF.")]  # its header, as fields
     assert sorted(ours.fields) == sorted(keys)
@@ -57,6 +60,8 @@ def test_fields_and_tensors_equal_the_gguf_packages_reader(tmp_path, alignment):
         np.testing.assert_array_equal(
             gguf.quants.dequantize(mine.data, mine.tensor_type).reshape(-1),
             gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1))
+    for name, x in floats.items():  # the values written, at the offsets the alignment gives
+        np.testing.assert_array_equal(ours.tensors[name].data.view(x.dtype).reshape(x.shape), x)
 
 
 def test_bad_files_name_the_file_and_the_problem(tmp_path):
