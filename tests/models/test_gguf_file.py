@@ -72,7 +72,8 @@ def test_bad_files_name_the_file_and_the_problem(tmp_path):
              "version": (raw[:4] + (1).to_bytes(4, "little") + raw[8:], "version 1 is not"),
              "big-endian": (raw[:4] + (3).to_bytes(4, "big") + raw[8:], "big-endian"),
              "cut header": (raw[:200], "runs past the end"),
-             "cut data": (raw[:-100], "tensor 'q8'")}
+             "cut data": (raw[:-100], "tensor 'q8'"),
+             "not UTF-8": (raw.replace("héllo".encode(), b"h\xffllo "), "is not UTF-8")}
     for name, (data, match) in cases.items():
         path = tmp_path / f"{name}.gguf"
         path.write_bytes(data)

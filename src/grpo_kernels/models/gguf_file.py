@@ -61,7 +61,12 @@ class _Cursor:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
 
     def string(self) -> str:
-        return bytes(self.take(self.scalar("<Q"))).decode("utf-8", errors="replace")
+        start = self.pos
+        try:
+            return bytes(self.take(self.scalar("<Q"))).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{self.path}: not a valid GGUF file (the string at byte {start} "
+                             f"is not UTF-8: {e.reason})") from None
 
     def value(self, kind: int) -> Any:
         if kind == _STRING:
@@ -91,7 +96,8 @@ class GGUFFile:
 
     Raises:
       ValueError: not a GGUF file, a version other than 2 or 3, a big-endian file, a header
-        that runs past the end, or a tensor whose bytes do (each naming the file).
+        that runs past the end, a string that is not UTF-8, or a tensor whose bytes run past
+        the end (each naming the file).
     """
 
     def __init__(self, path: str):
