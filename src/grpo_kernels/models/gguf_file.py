@@ -80,7 +80,8 @@ class _Cursor:
             dtype = self._dtype(elem)
             out = np.frombuffer(self.take(count * dtype.itemsize), dtype).tolist()
             return [bool(x) for x in out] if elem == _BOOL else out
-        value = np.frombuffer(self.take(self._dtype(kind).itemsize), self._dtype(kind))[0]
+        dtype = self._dtype(kind)
+        value = np.frombuffer(self.take(dtype.itemsize), dtype)[0]
         return bool(value) if kind == _BOOL else value.item()
 
     def _dtype(self, kind: int) -> np.dtype:
