@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.ops.core.inputs import sampler_logps_near, wants_sampler_logps
+from grpo_kernels.ops.core.inputs import normal, randint, sampler_logps_near, wants_sampler_logps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,15 +39,15 @@ def random_head_inputs(seed: int, batch: int, time: int, hidden: int, vocab: int
     ``-log V`` plus ``N(0, noise^2)`` (an off-policy step); sampler log-probs near the old
     ones when the config wants them (:func:`..core.inputs.wants_sampler_logps`)."""
     k = jax.random.split(jax.random.PRNGKey(seed), 7)
-    h = jax.random.normal(k[0], (batch, time, hidden), jnp.float32).astype(dtype)
+    h = normal(k[0], (batch, time, hidden), jnp.float32).astype(dtype)
     shape = (hidden, vocab) if layout == "hv" else (vocab, hidden)
-    w = (jax.random.normal(k[1], shape, jnp.float32) * (2.0 / hidden ** 0.5)).astype(dtype)
-    ids = jax.random.randint(k[2], (batch, time), 0, vocab, dtype=jnp.int32)
-    lengths = jax.random.randint(k[3], (batch, 1), 1, time + 1)
+    w = (normal(k[1], shape, jnp.float32) * (2.0 / hidden ** 0.5)).astype(dtype)
+    ids = randint(k[2], (batch, time), 0, vocab, dtype=jnp.int32)
+    lengths = randint(k[3], (batch, 1), 1, time + 1)
     mask = (jnp.arange(time)[None, :] < lengths).astype(jnp.float32)
-    adv = jax.random.normal(k[4], (batch,), jnp.float32)
-    base = -jnp.log(jnp.float32(vocab)) + noise * jax.random.normal(k[5], (batch, time))
-    ref = base + noise * jax.random.normal(k[6], (batch, time))
+    adv = normal(k[4], (batch,), jnp.float32)
+    base = -jnp.log(jnp.float32(vocab)) + noise * normal(k[5], (batch, time))
+    ref = base + noise * normal(k[6], (batch, time))
     sampler = (sampler_logps_near(jax.random.fold_in(k[0], 11), base, noise)
                if wants_sampler_logps(config) else None)
     return HeadInputs(h, w, ids, mask, adv, base, ref, sampler)

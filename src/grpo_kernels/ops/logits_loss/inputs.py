@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_kernels.config import GRPOLossConfig
-from grpo_kernels.ops.core.inputs import sampler_logps_near, wants_sampler_logps
+from grpo_kernels.ops.core.inputs import (normal, randint, sampler_logps_near, uniform,
+                                          wants_sampler_logps)
 from grpo_kernels.ops.core.reference import token_logp_and_entropy
 
 @dataclasses.dataclass(frozen=True)
@@ -60,16 +61,16 @@ def random_inputs(
     reference's, on-policy) plus ``N(0, noise^2)``.
     """
     keys = jax.random.split(jax.random.PRNGKey(seed), 6)
-    logits = (jax.random.normal(keys[0], (batch, time, vocab), jnp.float32) * logit_scale)
+    logits = (normal(keys[0], (batch, time, vocab), jnp.float32) * logit_scale)
     logits = logits.astype(dtype)
-    ids = jax.random.randint(keys[1], (batch, time), 0, vocab, dtype=jnp.int32)
-    lengths = jax.random.randint(keys[2], (batch, 1), 1, time + 1)
+    ids = randint(keys[1], (batch, time), 0, vocab, dtype=jnp.int32)
+    lengths = randint(keys[2], (batch, 1), 1, time + 1)
     mask = (jnp.arange(time)[None, :] < lengths).astype(jnp.float32)
-    advantages = jax.random.normal(keys[3], (batch,), jnp.float32)
+    advantages = normal(keys[3], (batch,), jnp.float32)
     logp, _ = token_logp_and_entropy(logits, ids, config.temperature)
-    old = None if on_policy else logp + noise * jax.random.normal(keys[4], logp.shape)
-    ref = logp + noise * jax.random.normal(keys[5], logp.shape)
-    weights = (jax.random.uniform(jax.random.fold_in(keys[0], 7), logp.shape, jnp.float32, 0.2, 2.0)
+    old = None if on_policy else logp + noise * normal(keys[4], logp.shape)
+    ref = logp + noise * normal(keys[5], logp.shape)
+    weights = (uniform(jax.random.fold_in(keys[0], 7), logp.shape, jnp.float32, 0.2, 2.0)
                if sampler_weights else None)
     sampler = (sampler_logps_near(jax.random.fold_in(keys[0], 11),
                                   logp if old is None else old, noise)
