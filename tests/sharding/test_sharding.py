@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import itertools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,7 @@ from grpo_kernels.sharding import (
     mesh_from_shape,
     sharded_grpo_loss,
     sharded_grpo_loss_from_hidden,
+    sharded_token_logps_from_hidden,
 )
 from grpo_kernels.sharding.hlo import collectives
 from tests.helpers import (as64, every_platform, family_grid, family_id, option_grid, option_id,
@@ -710,6 +712,41 @@ def test_sharding_spec_validation():
     assert ShardingSpec(("dp", "fsdp"), None, "fsdp").head_axes == ("fsdp",)
     with pytest.raises(ValueError, match="needs 16 devices, only 8 present"):
         mesh_from_shape((4, 4), ("dp", "tp"))
+
+
+def test_a_call_outside_jit_compiles_one_program(caplog):
+    """Called eagerly, a sharded entry compiles its shard_map as one program (not its body's
+    operations one by one; the log-prob op clamps the ids before it, as on one device), and a
+    second call with the same statics compiles nothing."""
+    mesh, spec = make(MESHES[1])
+    cfg = GRPOLossConfig(beta=0.04, max_completion_length=T + 2)
+
+    def placed(x):  # in the op's layout already, so that the call moves nothing
+        return jax.device_put(x, NamedSharding(mesh, spec.logits() if x.ndim == 3 else
+                                               spec.rows(x.ndim)))
+
+    inp = random_inputs(21, B, T, V, jnp.float32, cfg)
+    inp = inp.__class__(**{k: None if v is None else placed(v) for k, v in inp.__dict__.items()})
+    hin = random_head_inputs(22, HB, HT, HH, HV, jnp.float32, cfg)
+    hin = dataclasses.replace(hin, hidden=jax.device_put(hin.hidden, NamedSharding(
+        mesh, spec.rows(3))), lm_head=jax.device_put(hin.lm_head, NamedSharding(
+            mesh, spec.head("hv"))), ids=placed(hin.ids))
+    calls = {
+        "loss": lambda: sharded_grpo_loss(inp.logits, inp.ids, inp.mask, inp.advantages,
+                                          mesh=mesh, sharding=spec, config=cfg, impl="xla",
+                                          **inp.kwargs())[0],
+        "head_logps": lambda: sharded_token_logps_from_hidden(
+            hin.hidden, hin.lm_head, hin.ids, mesh=mesh, sharding=spec, impl="xla")}
+    for name, call in calls.items():
+        counts = []
+        for _ in range(2):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING), jax.log_compiles():
+                jax.block_until_ready(call())
+            compiled = [r.getMessage().split()[1] for r in caplog.records
+                        if r.getMessage().startswith("Compiling")]
+            counts.append((compiled.count("jit(_run)"), len(compiled)))
+        assert counts[0][0] == 1 and counts[0][1] <= 2 and counts[1] == (0, 0), (name, counts)
 
 
 @pytest.mark.parametrize("op", ["logits", "lm_head"])

@@ -90,7 +90,11 @@ def logits_kind(softcap: float | None) -> OpKind:
 LOGITS = logits_kind(None)
 
 
+@functools.lru_cache(maxsize=None)
 def head_kind(fmt: HeadFormat, seq: tuple[str, int] | None = None) -> OpKind:
+    """The fused head of format ``fmt`` (``seq``: sequence-parallel over that vocab axis,
+    :func:`sequence_split`), one object per pair: the sharded entries' compiled programs are
+    keyed by it."""
     def pieces(primals, impl, options, tau, spec, vocab, trunc=None) -> Pieces:
         hidden, w, _ = primals
         if impl == "xla" and spec.head_axes:

@@ -11,6 +11,7 @@ runs on the local block with the whole row's ``lse``). With a sampler's truncati
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -33,10 +34,15 @@ from grpo_kernels.sharding.truncation import mesh_truncation
 Array = jax.Array
 
 
-def _run(op: OpKind, primals: tuple, primal_specs: tuple, ids: Array, *, mesh: Mesh,
+@functools.partial(jax.jit, static_argnames=(
+    "op", "primal_specs", "mesh", "spec", "impl", "options", "vocab", "temperature",
+    "return_entropy", "return_outside", "default_options", "trunc"))
+def _run(primals: tuple, ids: Array, *, op: OpKind, primal_specs: tuple, mesh: Mesh,
          spec: ShardingSpec, impl: str, options: Any, vocab: int, temperature: float,
          return_entropy: bool, return_outside: bool, default_options: Any,
          trunc: Truncation | None) -> Array | tuple[Array, ...]:
+    """``shard_map`` of :func:`~grpo_kernels.sharding.kinds.statistics` over ``mesh``, as one
+    program (as :func:`grpo_kernels.sharding.loss._run`)."""
     interpreted = impl == "pallas" and bool((options or default_options).resolved_interpret())
     rows = spec.rows(2)
 
@@ -85,8 +91,8 @@ def sharded_token_logps(logits: Array, ids: Array, *, mesh: Mesh, sharding: Shar
                             spec, impl, "sharded_token_logps")
     softcap = check_softcap(logit_softcap)
     ids = check_token_ids(ids, b, t, vocab, check_ids)
-    return _run(logits_kind(softcap), (logits,), (spec.logits(),), ids, mesh=mesh, spec=spec,
-                impl=impl, options=options, vocab=vocab, temperature=tau,
+    return _run((logits,), ids, op=logits_kind(softcap), primal_specs=(spec.logits(),),
+                mesh=mesh, spec=spec, impl=impl, options=options, vocab=vocab, temperature=tau,
                 return_entropy=return_entropy, return_outside=return_outside,
                 default_options=logits_pallas.PallasOptions(), trunc=trunc)
 
@@ -146,8 +152,8 @@ def sharded_token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *
     seq = sequence_split(spec, mesh, t, impl, options)
     primal_specs = (spec.rows(3) if seq is None else spec.steps(), spec.head(fmt.layout),
                     None if bias is None else spec.vector())
-    return _run(head_kind(fmt, seq), (hidden, lm_head, bias), primal_specs, ids, mesh=mesh,
-                spec=spec, impl=impl, options=options, vocab=vocab, temperature=tau,
+    return _run((hidden, lm_head, bias), ids, op=head_kind(fmt, seq),
+                primal_specs=primal_specs, mesh=mesh, spec=spec, impl=impl, options=options, vocab=vocab, temperature=tau,
                 return_entropy=return_entropy, return_outside=return_outside,
                 default_options=head_pallas.LmHeadPallasOptions(), trunc=trunc)
 

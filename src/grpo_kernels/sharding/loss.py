@@ -46,6 +46,12 @@ from grpo_kernels.sharding.truncation import mesh_truncation
 from grpo_kernels.sharding.vocab import loss_and_metrics
 
 Array = jax.Array
+# What a sharded call is compiled for; the arrays are its arguments. Jitted, a call made
+# outside ``jax.jit`` compiles one program (and a second call with the same statics none)
+# instead of dispatching the body's operations one by one; inside ``jax.jit`` the program is
+# inlined into the caller's.
+RUN_STATIC = ("op", "primal_specs", "mesh", "spec", "config", "impl", "options", "vocab",
+              "default_options", "trunc")
 
 
 def _one_pass_options(op: OpKind, impl: str, options: Any, config: GRPOLossConfig,
@@ -91,11 +97,12 @@ def _shard_loss(primals: Primals, batch: TokenBatch, *, op: OpKind, config: GRPO
     return loss, metrics
 
 
-def _run(op: OpKind, primals: Primals, primal_specs: tuple, batch: TokenBatch, *,
-         mesh: Mesh, spec: ShardingSpec, config: GRPOLossConfig, impl: str, options: Any,
-         vocab: int, default_options: Any,
-         trunc: Truncation | None = None) -> tuple[Array, dict[str, Array]]:
-    """``shard_map`` of :func:`_shard_loss` over ``mesh``.
+@functools.partial(jax.jit, static_argnames=RUN_STATIC)
+def _run(primals: Primals, batch: TokenBatch, *, op: OpKind, primal_specs: tuple, mesh: Mesh,
+         spec: ShardingSpec, config: GRPOLossConfig, impl: str, options: Any, vocab: int,
+         default_options: Any, trunc: Truncation | None = None
+         ) -> tuple[Array, dict[str, Array]]:
+    """``shard_map`` of :func:`_shard_loss` over ``mesh``, as one program (:data:`RUN_STATIC`).
 
     ``check_vma`` is off exactly when Pallas kernels run in JAX's HLO interpreter (CPU), which
     cannot type the mesh axes an array varies over; the gradients are the same either way
@@ -184,8 +191,8 @@ def sharded_grpo_loss(logits: Array, ids: Array, mask: Array, advantages: Array,
         check_ids_in_range(ids, mask, vocab)
     batch = TokenBatch.of(ids, mask, advantages, old_logps, ref_logps, num_items_in_batch,
                           sampler_weights, sampler_logps, segments)
-    return _run(logits_kind(softcap), (logits,), (spec.logits(),), batch, mesh=mesh, spec=spec,
-                config=config, impl=impl, options=options, vocab=vocab,
+    return _run((logits,), batch, op=logits_kind(softcap), primal_specs=(spec.logits(),),
+                mesh=mesh, spec=spec, config=config, impl=impl, options=options, vocab=vocab,
                 default_options=logits_pallas.PallasOptions(), trunc=trunc)
 
 
@@ -269,6 +276,7 @@ def sharded_grpo_loss_from_hidden(hidden: Array, lm_head: Array, ids: Array, mas
     seq = sequence_split(spec, mesh, hidden.shape[1], impl, options)
     primal_specs = (spec.rows(3) if seq is None else spec.steps(),
                     spec.head(fmt.layout), None if bias is None else spec.vector())
-    return _run(head_kind(fmt, seq), (hidden, lm_head, bias), primal_specs, batch, mesh=mesh,
-                spec=spec, config=config, impl=impl, options=options, vocab=vocab,
+    return _run((hidden, lm_head, bias), batch, op=head_kind(fmt, seq),
+                primal_specs=primal_specs, mesh=mesh, spec=spec, config=config, impl=impl,
+                options=options, vocab=vocab,
                 default_options=head_pallas.LmHeadPallasOptions(), trunc=trunc)
