@@ -19,14 +19,18 @@ def _fusions(compiled) -> int:
     return compiled.as_text().count(" fusion(")
 
 
-def test_marked_tests_run_last_in_their_order():
-    """The marked tests move behind the others, each group keeping its order (so each worker
-    switches once); the order of this run's tests shows it."""
+def test_marked_tests_run_last_and_slow_ones_first():
+    """The marked tests move behind the others (so each worker switches once), and in each
+    group the slow tests come first, each keeping its order; the order of this run's tests
+    shows it."""
     items = conftest.ORDER
     assert items
     marked = [i.get_closest_marker(conftest.MARK) is not None for i in items]
     assert marked == sorted(marked)
-    assert conftest.marked_last(items) == items
+    for group in (True, False):
+        slow = [i.get_closest_marker("slow") is None for i, m in zip(items, marked) if m == group]
+        assert slow == sorted(slow)
+    assert conftest.run_order(items) == items
 
 
 def test_a_plan_read_on_the_legacy_emitters_fails_by_name():

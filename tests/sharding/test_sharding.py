@@ -262,11 +262,14 @@ def test_lm_head_dweight_by_vocabulary_equals_one_device(m, cfg):
 # --- tunix's options (aggregations over non-empty rows, clamps, dual clip, sampler weights) ---
 
 OPTIONS = option_grid(T)
+TWO_MESHES = (MESHES[1], MESHES[3])
 # The row-count normalisers and the sampler weights' split need a batch axis; the vocab axis
-# the whole-row statistics. xla runs every option, pallas the tunix-like mix.
-OPTION_RUNS = [(impl, i, m) for m in (MESHES[1], MESHES[3])
-               for impl, i in [*(("xla", i) for i in range(len(OPTIONS))),
-                               ("pallas", len(OPTIONS) - 1)]]
+# the whole-row statistics. Both meshes have both, the second two batch axes (the normalisers'
+# psums over a tuple of axes, one code path): xla runs every option on one of them, in turn
+# (each mesh meets options with and without sampler weights), pallas the tunix-like mix on
+# both.
+OPTION_RUNS = [("xla", i, TWO_MESHES[i // 2 % 2]) for i in range(len(OPTIONS))] + [
+    ("pallas", len(OPTIONS) - 1, m) for m in TWO_MESHES]
 
 
 def _option_inputs(index):
@@ -327,11 +330,11 @@ def test_lm_head_options_equal_one_device(m):
 # --- the 2026 family: loss types, sampler corrections, masks, entropy terms ------------------
 
 FAMILY = family_grid(T)
-# xla runs every variant on the mesh with batch and vocab axes and on the 3-axis one; pallas
-# the entropy variants (the term its kernels add) on one mesh.
-FAMILY_RUNS = ([("xla", i, MESHES[1]) for i in range(len(FAMILY))]
-               + [("xla", i, MESHES[3]) for i, c in enumerate(FAMILY)
-                  if c.entropy_coef != 0 or c.off_policy_mask_threshold is not None]
+# xla runs every variant at both levels, one level on the mesh with batch and vocab axes and
+# the other on the 3-axis one (family_grid lists a variant's token and sequence configs in
+# turn): every variant meets both meshes, each mesh both levels. pallas runs the entropy
+# variants (the term its kernels add) on one mesh.
+FAMILY_RUNS = ([("xla", i, TWO_MESHES[(i // 2 + i) % 2]) for i in range(len(FAMILY))]
                + [("pallas", i, MESHES[1]) for i, c in enumerate(FAMILY) if c.entropy_coef != 0])
 
 

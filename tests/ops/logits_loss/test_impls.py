@@ -47,6 +47,13 @@ def assert_matches_reference(impl, inp, cfg, metrics=METRICS, reference_jit=Fals
                                    atol=tol["metric"], err_msg=key)
 
 
+DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def dtype_id(dtype) -> str:
+    return "f32" if dtype == jnp.float32 else "bf16"
+
+
 # The Pallas kernels run the same grid in test_pallas.py, per kernel, with blocks small enough
 # to exercise every code path (interpret mode is slow; once is enough).
 # Each config of the grid once, the dtype alternating so that every pair of factor levels meets
@@ -54,26 +61,33 @@ def assert_matches_reference(impl, inp, cfg, metrics=METRICS, reference_jit=Fals
 # the whole grid in both dtypes (docs/benchmarks.md records it).
 @pytest.mark.parametrize("impl", [i for i in FAST if i != "pallas"])
 @pytest.mark.parametrize(
-    "cfg,dtype", [pytest.param(c, d, id=f"{grid_id(c)}-{'f32' if d == jnp.float32 else 'bf16'}")
+    "cfg,dtype", [pytest.param(c, d, id=f"{grid_id(c)}-{dtype_id(d)}")
                   for c, d in loss_grid_split(T)])
 def test_grid_matches_reference(impl, dtype, cfg):
     inp = random_inputs(11, B, T, V, dtype, cfg, noise=0.3)
     assert_matches_reference(impl, inp, cfg)
 
 
-OPTIONS = option_grid(T)
+# Each option once, the dtype alternating in pairs: the sampler weights go with every other
+# option (option_grid), so each dtype meets the options with and without them.
+OPTIONS = [(cfg, sampler, DTYPES[i // 2 % 2]) for i, (cfg, sampler) in enumerate(option_grid(T))]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("cfg,sampler", OPTIONS, ids=[option_id(o) for o in OPTIONS])
+@pytest.mark.parametrize("cfg,sampler,dtype", OPTIONS,
+                         ids=[f"{option_id(o[:2])}-{dtype_id(o[2])}" for o in OPTIONS])
 def test_options_match_reference(cfg, sampler, dtype):
     """tunix's options and sampler weights (test_pallas.py runs them through the kernels)."""
     inp = random_inputs(17, B, T, V, dtype, cfg, noise=0.3, sampler_weights=sampler)
     assert_matches_reference("xla", inp, cfg)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("cfg", family_grid(T), ids=family_id)
+# Each variant at both levels, one in each dtype (family_grid lists a variant's token and
+# sequence configs in turn): every variant meets both dtypes, and each level both.
+FAMILY = [(cfg, DTYPES[(i // 2 + i) % 2]) for i, cfg in enumerate(family_grid(T))]
+
+
+@pytest.mark.parametrize("cfg,dtype", FAMILY,
+                         ids=[f"{family_id(c)}-{dtype_id(d)}" for c, d in FAMILY])
 def test_family_matches_reference(cfg, dtype):
     """The 2026 loss family, sampler corrections and entropy terms (test_pallas.py runs them
     through the kernels)."""
@@ -81,12 +95,17 @@ def test_family_matches_reference(cfg, dtype):
     assert_matches_reference("xla", inp, cfg)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("blocks", [XlaBlockSizes(chunk_tokens=4, block_vocab=64),
-                                    XlaBlockSizes(chunk_tokens=1, block_vocab=300),
-                                    XlaBlockSizes(chunk_tokens=7),
-                                    XlaBlockSizes(chunk_bytes=512)])
+BLOCKS = [XlaBlockSizes(chunk_tokens=4, block_vocab=64),
+          XlaBlockSizes(chunk_tokens=1, block_vocab=300), XlaBlockSizes(chunk_tokens=7),
+          XlaBlockSizes(chunk_bytes=512)]
+# Every block choice at both levels, one in each dtype (each level meets both dtypes too).
+CHUNK_RUNS = [(blocks, level, DTYPES[(i + j) % 2]) for i, blocks in enumerate(BLOCKS)
+              for j, level in enumerate(("token", "sequence"))]
+
+
+@pytest.mark.parametrize("blocks,level,dtype", CHUNK_RUNS,
+                         ids=[f"t{b.chunk_tokens}-v{b.block_vocab}-bytes{b.chunk_bytes}-{lvl}-"
+                              f"{dtype_id(d)}" for b, lvl, d in CHUNK_RUNS])
 def test_xla_chunking_and_vocab_blocks(level, blocks, dtype):
     """Ragged token chunks and vocab blocks (V = 301 is a multiple of none of them)."""
     cfg = GRPOLossConfig(importance_sampling_level=level, beta=0.04, temperature=0.7)
