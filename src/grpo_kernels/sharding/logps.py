@@ -34,9 +34,12 @@ from grpo_kernels.sharding.truncation import mesh_truncation
 Array = jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "op", "primal_specs", "mesh", "spec", "impl", "options", "vocab", "temperature",
-    "return_entropy", "return_outside", "default_options", "trunc"))
+# What a call is compiled for (as grpo_kernels.sharding.loss.RUN_STATIC).
+RUN_STATIC = ("op", "primal_specs", "mesh", "spec", "impl", "options", "vocab", "temperature",
+              "return_entropy", "return_outside", "default_options", "trunc")
+
+
+@functools.partial(jax.jit, static_argnames=RUN_STATIC)
 def _run(primals: tuple, ids: Array, *, op: OpKind, primal_specs: tuple, mesh: Mesh,
          spec: ShardingSpec, impl: str, options: Any, vocab: int, temperature: float,
          return_entropy: bool, return_outside: bool, default_options: Any,
@@ -153,7 +156,8 @@ def sharded_token_logps_from_hidden(hidden: Array, lm_head: Array, ids: Array, *
     primal_specs = (spec.rows(3) if seq is None else spec.steps(), spec.head(fmt.layout),
                     None if bias is None else spec.vector())
     return _run((hidden, lm_head, bias), ids, op=head_kind(fmt, seq),
-                primal_specs=primal_specs, mesh=mesh, spec=spec, impl=impl, options=options, vocab=vocab, temperature=tau,
-                return_entropy=return_entropy, return_outside=return_outside,
+                primal_specs=primal_specs, mesh=mesh, spec=spec, impl=impl, options=options,
+                vocab=vocab, temperature=tau, return_entropy=return_entropy,
+                return_outside=return_outside,
                 default_options=head_pallas.LmHeadPallasOptions(), trunc=trunc)
 
