@@ -92,6 +92,11 @@ def family_id(cfg: GRPOLossConfig) -> str:
     return "-".join([cfg.importance_sampling_level, *parts])
 
 
+def dtype_id(dtype) -> str:
+    """A test id's name of a float dtype: ``"f32"`` or ``"bf16"``."""
+    return "f32" if dtype == jnp.float32 else "bf16"
+
+
 def grid_id(cfg: GRPOLossConfig) -> str:
     return (f"{cfg.loss_type}-{cfg.importance_sampling_level}-b{cfg.beta}-d{cfg.delta}"
             f"-t{cfg.temperature}")

@@ -13,7 +13,7 @@ from grpo_kernels.ops.logits_loss import IMPLEMENTATIONS
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
 from grpo_kernels.ops.core.reference import token_logp_and_entropy
 from tests.oracle import oracle
-from tests.helpers import (as64, family_grid, family_id, grid_id, loss_grid_split,
+from tests.helpers import (as64, dtype_id, family_grid, family_id, grid_id, loss_grid_split,
                            lowered_text, option_grid, option_id, reference_value_and_grad,
                            rel_err, take_plan_of, value_and_grad)
 
@@ -48,10 +48,6 @@ def assert_matches_reference(impl, inp, cfg, metrics=METRICS, reference_jit=Fals
 
 
 DTYPES = (jnp.float32, jnp.bfloat16)
-
-
-def dtype_id(dtype) -> str:
-    return "f32" if dtype == jnp.float32 else "bf16"
 
 
 # The Pallas kernels run the same grid in test_pallas.py, per kernel, with blocks small enough

@@ -19,8 +19,9 @@ from grpo_kernels.ops.core.tpu import GENERATIONS, VMEM_BYTES
 from grpo_kernels.ops.logits_loss import pallas_tpu
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
 from grpo_kernels.config import CLASSIC_LOSS_TYPES
-from tests.helpers import (cuda_export, every_platform, family_grid, family_id, grid_id,
-                           option_grid, option_id, pairwise, reference_value_and_grad, rel_err)
+from tests.helpers import (cuda_export, dtype_id, every_platform, family_grid, family_id,
+                           grid_id, option_grid, option_id, pairwise, reference_value_and_grad,
+                           rel_err)
 from tests.ops.logits_loss.test_impls import assert_matches_reference
 
 KERNELS = ("tpu", "gpu")
@@ -54,7 +55,7 @@ GRID = [(kernel, GRPOLossConfig(loss_type=lt, importance_sampling_level=level, b
 
 @pytest.mark.parametrize(
     "kernel,cfg,dtype",
-    [pytest.param(k, c, d, id=f"{k}-{grid_id(c)}-{'f32' if d == jnp.float32 else 'bf16'}")
+    [pytest.param(k, c, d, id=f"{k}-{grid_id(c)}-{dtype_id(d)}")
      for k, c, d in GRID])
 def test_grid_matches_reference(kernel, cfg, dtype):
     inp = random_inputs(21, 3, 7, VOCAB, dtype, cfg)  # 21 rows: 16 in full blocks + leftovers

@@ -21,8 +21,9 @@ from grpo_kernels import GRPOLossConfig, PallasBlockSizes, PallasOptions, grpo_l
 from grpo_kernels.objective import token_row_grad, token_separable
 from grpo_kernels.ops.logits_loss import pallas_gpu_one_pass as one_pass
 from grpo_kernels.ops.logits_loss.inputs import random_inputs
-from tests.helpers import (cuda_module, family_grid, family_id, grid_id, loss_grid_split,
-                           option_grid, option_id, reference_value_and_grad, rel_err)
+from tests.helpers import (cuda_module, dtype_id, family_grid, family_id, grid_id,
+                           loss_grid_split, option_grid, option_id, reference_value_and_grad,
+                           rel_err)
 from tests.ops.logits_loss.test_impls import assert_matches_reference
 from tests.ops.logits_loss.test_pallas import kernel_names
 from tests.ops.logits_loss.test_pallas_gpu_aligned import SHAPES
@@ -35,16 +36,12 @@ def _options(block_vocab: int = 128, programs: int | None = 4, stages: int | Non
         block_vocab=block_vocab, gpu_programs=programs, gpu_stages=stages), **kw)
 
 
-def _f32(d):
-    return "f32" if d == jnp.float32 else "bf16"
-
-
 # Token level only (the kernel's domain); delta stays in, since the kernel now forms g itself.
 # Every other config of the split keeps the test time down; each factor's levels still meet.
 GRID = [(c, d) for c, d in loss_grid_split(7) if c.importance_sampling_level == "token"][::2]
 
 
-@pytest.mark.parametrize("cfg,dtype", [pytest.param(c, d, id=f"{grid_id(c)}-{_f32(d)}")
+@pytest.mark.parametrize("cfg,dtype", [pytest.param(c, d, id=f"{grid_id(c)}-{dtype_id(d)}")
                                        for c, d in GRID])
 def test_grid_matches_reference(cfg, dtype):
     inp = random_inputs(31, 3, 7, 1000, dtype, cfg)
@@ -75,7 +72,7 @@ def test_family_matches_reference(index):
 
 
 @pytest.mark.parametrize("index", range(len(SHAPES)),
-                         ids=[f"{b}x{t}x{v}-{_f32(d)}" for b, t, v, d in SHAPES])
+                         ids=[f"{b}x{t}x{v}-{dtype_id(d)}" for b, t, v, d in SHAPES])
 def test_odd_shapes_match_reference(index):
     """The aligned addressing's shapes (every head length, zero to two full tiles, rows
     shorter than a vector), with programs that do not divide the rows and more programs than
