@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 # configuration, so pip's find-links (this image's local wheels, the CPU torch among them) are
 # handed to it. Where uv cannot be had or fails, pip installs the same arguments.
 UV := uv==0.13.9
-PIP_LINKS := $(shell $(PYTHON) -m pip config list 2>/dev/null | \
+PIP_LINKS = $(shell $(PYTHON) -m pip config list 2>/dev/null | \
 	sed -n "s/^[^ ]*find-links='\(.*\)'$$/\1/p" | tr ' ' '\n' | sort -u)
 # $(call install,VENV,ARGS): `pip install ARGS` into VENV, by uv where it can
 install = { $(1)/bin/python -m pip install --quiet --disable-pip-version-check $(UV) && \
